@@ -1,0 +1,1 @@
+"""Shipped YAML presets and accelerate configs (package data)."""

@@ -1,0 +1,1 @@
+"""omniloom.data: ingest and shard writing (data prep), shard reading, packing, PackedBatch."""

@@ -1,0 +1,1 @@
+"""omniloom.model: config, embeddings, attention (masks + backends), MoE, the decoder."""

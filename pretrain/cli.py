@@ -1,0 +1,123 @@
+"""The `omniloom` command: one CLI whose subcommands each package registers (DESIGN 1).
+
+A package takes part by having a `cli.py` with `register(subparsers)` (adds its commands, each with
+`set_defaults(func=handler)`) and optionally `register_bench(bench_subparsers)` (adds an
+`omniloom bench NAME` entry). Handlers take the parsed args and return an exit code or None.
+CLI modules import heavy dependencies (torch, av) inside their handlers so `--help` stays fast.
+
+User errors (ValueError and its subclasses, missing files) print one line and exit 2; `-v` shows
+the traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Order is the order in `omniloom --help`.
+COMMAND_MODULES = (
+    "omniloom.data.cli",
+    "omniloom.tokenizers.cli",
+    "omniloom.pretrain.train_cli",
+    "omniloom.pretrain.config_cli",
+    "omniloom.model.cli",
+    "omniloom.kernels.cli",
+)
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+log = logging.getLogger("omniloom")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("omniloom")
+    except PackageNotFoundError:  # running from a tree that was never installed
+        return "0+unknown"
+
+
+def _cli_modules():
+    for name in COMMAND_MODULES:
+        try:
+            yield importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:  # a real missing dependency inside the module: surface it
+                raise
+
+
+def setup_logging(verbosity: int) -> None:
+    level = logging.INFO if verbosity == 0 else (logging.DEBUG if verbosity > 0 else logging.WARNING)
+    if verbosity < -1:
+        level = logging.ERROR
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omniloom",
+        description="Pretrain native multimodal sparse-attention MoE models from scratch: "
+        "prepare shards, train tokenizers, train with accelerate, export, evaluate.",
+    )
+    parser.add_argument("--version", action="version", version=f"omniloom {version()}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging; -v also shows tracebacks for user errors")
+    parser.add_argument("-q", "--quiet", action="count", default=0, help="less logging (-qq: errors only)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench = sub.add_parser(
+        "bench",
+        help="run benchmarks and print figures",
+        description="Benchmarks print figures as ratios against a reference measured in the same run.",
+    )
+    bench_sub = bench.add_subparsers(dest="bench", metavar="NAME")
+    bench.set_defaults(func=lambda args: _bench_all(args, bench_sub))
+    for module in _cli_modules():
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(sub)
+        register_bench = getattr(module, "register_bench", None)
+        if register_bench is not None:
+            register_bench(bench_sub)
+    return parser
+
+
+def _bench_all(args, bench_sub) -> int:
+    """`omniloom bench` with no name: run every registered benchmark with its defaults."""
+    names = list(bench_sub.choices)
+    if not names:
+        print("no benchmarks are registered")
+        return 1
+    status = 0
+    for name in names:
+        print(f"\n== omniloom bench {name} ==", flush=True)
+        sub_args = bench_sub.choices[name].parse_args([])
+        sub_args.verbose, sub_args.quiet = args.verbose, args.quiet
+        status = max(status, int(sub_args.func(sub_args) or 0))
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    verbosity = args.verbose - args.quiet
+    setup_logging(verbosity)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as err:
+        if args.verbose:
+            raise
+        print(f"omniloom: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("omniloom: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

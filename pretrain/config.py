@@ -1,0 +1,113 @@
+"""The run config: the tree of component configs that a preset YAML loads into (DESIGN 3.2).
+
+    RunConfig
+      model: ModelConfig (attention, moe)    from omniloom.model.config
+      data: DataConfig                       from omniloom.data.config
+      optim, train, checkpoint, logging      here
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from omniloom.data.config import DataConfig
+from omniloom.model.config import ModelConfig
+
+from .config_io import ConfigError, Sources, apply_overrides, from_dict, load_yaml, to_yaml
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    run_dir: str = "runs/default"
+    num_steps: int = 1000
+    grad_accum_steps: int = 1
+    seed: int = 0
+    deterministic: bool = False
+    compile: bool = False
+    activation_checkpointing: bool = False
+    eval_every: int = 0
+    eval_steps: int = 10
+    max_bad_steps: int = 5
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = 500
+    keep_last: int = 3
+    resume: str = ""  # "", "auto", or a checkpoint path
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    every: int = 10
+    tensorboard: bool = True
+    spike_window: int = 128
+    spike_sigma: float = 6.0
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def presets_dir() -> Path:
+    """The shipped presets (package data `omniloom.configs`, i.e. the repo's configs/)."""
+    return Path(str(importlib.resources.files("omniloom.configs")))
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in presets_dir().glob("*.yaml"))
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    """A path to a YAML file, or the name of a shipped preset (`tiny` -> configs/tiny.yaml)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    shipped = presets_dir() / f"{path.stem if path.suffix in ('.yaml', '.yml') else name_or_path}.yaml"
+    if shipped.exists():
+        return shipped
+    import difflib
+
+    names = list_presets()
+    close = difflib.get_close_matches(name_or_path, names, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(f"no config file or preset named '{name_or_path}' (presets: {', '.join(names)}){hint}")
+
+
+def load_config(preset: str | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a preset (name or YAML path) and apply dotted overrides; None means the defaults."""
+    data, source = {}, None
+    if preset:
+        path = resolve_preset(preset)
+        data, source = load_yaml(path), str(path)
+    overridden: set[str] = set()
+    data = apply_overrides(RunConfig, data, list(overrides or []), overridden)
+    return from_dict(RunConfig, data, source=Sources(source, overridden))
+
+
+__all__ = [
+    "CheckpointConfig", "ConfigError", "LoggingConfig", "OptimConfig", "RunConfig", "TrainConfig",
+    "list_presets", "load_config", "presets_dir", "resolve_preset", "to_yaml",
+]

@@ -1,0 +1,54 @@
+"""The `omniloom` CLI: help, version, user errors as one line with exit 2."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omniloom.pretrain.cli import main
+
+OMNILOOM = shutil.which("omniloom") or str(Path(sys.executable).with_name("omniloom"))
+
+
+def run(*args):
+    return subprocess.run([OMNILOOM, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_version_and_help():
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.startswith("omniloom ")
+    out = run("--help")
+    assert out.returncode == 0
+    for cmd in ("config", "bench"):
+        assert cmd in out.stdout
+
+
+def test_user_error_is_one_line_without_traceback():
+    out = run("config", "show", "tiny", "model.num_layer=3")
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert "Traceback" not in out.stderr and "did you mean 'model.num_layers'" in out.stderr
+
+
+def test_verbose_shows_traceback():
+    out = run("-v", "config", "show", "tiny", "model.num_layer=3")
+    assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_config_show_in_process(capsys):
+    assert main(["config", "show", "tiny", "train.num_steps=7"]) == 0
+    assert "num_steps: 7" in capsys.readouterr().out
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "usage" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("group", ["config"])
+def test_subcommand_help(group):
+    assert run(group, "--help").returncode == 0

@@ -1,0 +1,50 @@
+"""The distribution installs everything under `omniloom.*` and nothing under bare folder names."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ["pretrain", "data", "tokenizers", "model", "kernels", "configs"]
+
+
+@pytest.mark.parametrize("name", PACKAGES)
+def test_package_maps_to_its_folder(name):
+    module = importlib.import_module(f"omniloom.{name}")
+    assert Path(module.__file__).resolve().parent == REPO / name
+
+
+def test_bare_names_do_not_resolve_to_repo_folders():
+    # `tokenizers` and `kernels` are PyPI names; our folders must never shadow them.
+    for name in ("tokenizers", "kernels", "model", "data", "pretrain"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            assert REPO not in Path(spec.origin).resolve().parents, f"bare '{name}' resolves into the repo"
+
+
+def test_presets_ship_as_package_data():
+    from omniloom.pretrain.config import list_presets, presets_dir
+
+    assert "tiny" in list_presets()
+    assert (presets_dir() / "accelerate").is_dir()
+
+
+def test_wheel_top_level_is_only_omniloom(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    (wheel,) = tmp_path.glob("omniloom-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
+    assert tops == {"omniloom"}, tops
+    assert "omniloom/tokenizers/__init__.py" in names
+    assert "omniloom/configs/tiny.yaml" in names
+    assert any(n.startswith("omniloom/configs/accelerate/") for n in names)
