@@ -1,0 +1,117 @@
+"""Plain PyTorch references for every kernel: the ground truth of parity tests and the CPU path.
+
+Shapes: T tokens, D width, V vocab, E experts, K experts per token, N = T*K routed rows,
+B batch, S sequence, H heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return F.silu(gate) * up
+
+
+def apply_rope(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split (GPT-NeoX) convention, d = Dh/2:
+    out[..., :d] = x1*cos - x2*sin; out[..., d:] = x2*cos + x1*sin.
+    cos/sin are per token (M-RoPE builds them from 3-D positions), broadcast over heads."""
+    d = x_BSHD.shape[-1] // 2
+    x1, x2 = x_BSHD[..., :d].float(), x_BSHD[..., d:].float()
+    cos, sin = cos_BSd.float().unsqueeze(2), sin_BSd.float().unsqueeze(2)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BSHD.dtype)
+
+
+def linear_cross_entropy(
+    h_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross-entropy and z (= logsumexp^2) of `h @ weight.T`, computed in fp32 chunk
+    by chunk with recomputation in backward, so the [T, V] logits are never held whole.
+
+    Returns (ce_T, z_T) in fp32, both 0 where labels == ignore_index. The caller reduces
+    (mean over valid tokens, z-loss coefficient, per-modality sums)."""
+    return _ChunkedLinearCE.apply(h_TD, weight_VD, labels_T, ignore_index, chunk_size)
+
+
+def _ce_chunk(h, w, labels, ignore_index):
+    logits = h.float() @ w.float().t()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    target = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
+    ce = torch.where(valid, lse - target, torch.zeros_like(lse))
+    z = torch.where(valid, lse * lse, torch.zeros_like(lse))
+    return logits, lse, valid, safe, ce, z
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, labels, ignore_index, chunk_size):
+        ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        z = torch.empty_like(ce)
+        for s in range(0, h.shape[0], chunk_size):
+            e = min(s + chunk_size, h.shape[0])
+            _, _, _, _, ce[s:e], z[s:e] = _ce_chunk(h[s:e], w, labels[s:e], ignore_index)
+        ctx.save_for_backward(h, w, labels)
+        ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
+        return ce, z
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_z):
+        h, w, labels = ctx.saved_tensors
+        grad_h = torch.zeros_like(h, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(w, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for s in range(0, h.shape[0], ctx.chunk_size):
+            e = min(s + ctx.chunk_size, h.shape[0])
+            logits, lse, valid, safe, _, _ = _ce_chunk(h[s:e], w, labels[s:e], ctx.ignore_index)
+            gce = torch.where(valid, grad_ce[s:e].float(), torch.zeros_like(lse))
+            gz = torch.where(valid, grad_z[s:e].float(), torch.zeros_like(lse))
+            # d ce / d logits = softmax - onehot; d z / d logits = 2 * lse * softmax
+            probs = torch.softmax(logits, dim=-1)
+            g = probs * (gce + 2.0 * lse * gz).unsqueeze(1)
+            g.scatter_add_(1, safe.unsqueeze(1), -gce.unsqueeze(1))
+            if grad_h is not None:
+                grad_h[s:e] = g @ w.float()
+            if grad_w is not None:
+                grad_w += g.t() @ h[s:e].float()
+        return (
+            None if grad_h is None else grad_h.to(h.dtype),
+            None if grad_w is None else grad_w.to(w.dtype),
+            None, None, None,
+        )
+
+
+def moe_permute(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int):
+    """Sort the T*K (token, expert) pairs by expert, stably.
+
+    Returns (x_ND rows gathered in expert order, perm_N indices into the flattened T*K pairs,
+    counts_E tokens per expert as int64)."""
+    flat_N = topk_idx_TK.reshape(-1)
+    perm_N = torch.argsort(flat_N, stable=True)
+    k = topk_idx_TK.shape[1]
+    x_ND = x_TD.index_select(0, perm_N // k)
+    counts_E = torch.bincount(flat_N, minlength=num_experts)
+    return x_ND, perm_N, counts_E
+
+
+def moe_unpermute(y_ND: torch.Tensor, perm_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """Inverse of moe_permute, weighted: out[t] = sum_k weights[t, k] * y[row of pair (t, k)]."""
+    T, K = weights_TK.shape
+    y_TKD = torch.empty((T * K, y_ND.shape[-1]), dtype=y_ND.dtype, device=y_ND.device)
+    y_TKD = y_TKD.index_copy(0, perm_N, y_ND).view(T, K, -1)
+    return (y_TKD * weights_TK.unsqueeze(-1).to(y_ND.dtype)).sum(1)
