@@ -43,13 +43,19 @@ def linear_cross_entropy(
     """Per-token cross-entropy and z (= logsumexp^2) of `h @ weight.T`, computed in fp32 chunk
     by chunk with recomputation in backward, so the [T, V] logits are never held whole.
 
-    Returns (ce_T, z_T) in fp32, both 0 where labels == ignore_index. The caller reduces
+    Returns (ce_T, z_T) in fp32 (float64 for float64 inputs), both 0 where labels == ignore_index. The caller reduces
     (mean over valid tokens, z-loss coefficient, per-modality sums)."""
     return _ChunkedLinearCE.apply(h_TD, weight_VD, labels_T, ignore_index, chunk_size)
 
 
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    # fp32 at least; float64 inputs (parity references) stay float64
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _ce_chunk(h, w, labels, ignore_index):
-    logits = h.float() @ w.float().t()
+    acc = _acc_dtype(h)
+    logits = h.to(acc) @ w.to(acc).t()
     lse = torch.logsumexp(logits, dim=-1)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, torch.zeros_like(labels))
@@ -62,7 +68,7 @@ def _ce_chunk(h, w, labels, ignore_index):
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, ignore_index, chunk_size):
-        ce = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        ce = torch.empty(h.shape[0], dtype=_acc_dtype(h), device=h.device)
         z = torch.empty_like(ce)
         for s in range(0, h.shape[0], chunk_size):
             e = min(s + chunk_size, h.shape[0])
@@ -74,21 +80,22 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, grad_z):
         h, w, labels = ctx.saved_tensors
-        grad_h = torch.zeros_like(h, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(w, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        acc = _acc_dtype(h)
+        grad_h = torch.zeros_like(h, dtype=acc) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(w, dtype=acc) if ctx.needs_input_grad[1] else None
         for s in range(0, h.shape[0], ctx.chunk_size):
             e = min(s + ctx.chunk_size, h.shape[0])
             logits, lse, valid, safe, _, _ = _ce_chunk(h[s:e], w, labels[s:e], ctx.ignore_index)
-            gce = torch.where(valid, grad_ce[s:e].float(), torch.zeros_like(lse))
-            gz = torch.where(valid, grad_z[s:e].float(), torch.zeros_like(lse))
+            gce = torch.where(valid, grad_ce[s:e].to(acc), torch.zeros_like(lse))
+            gz = torch.where(valid, grad_z[s:e].to(acc), torch.zeros_like(lse))
             # d ce / d logits = softmax - onehot; d z / d logits = 2 * lse * softmax
             probs = torch.softmax(logits, dim=-1)
             g = probs * (gce + 2.0 * lse * gz).unsqueeze(1)
             g.scatter_add_(1, safe.unsqueeze(1), -gce.unsqueeze(1))
             if grad_h is not None:
-                grad_h[s:e] = g @ w.float()
+                grad_h[s:e] = g @ w.to(acc)
             if grad_w is not None:
-                grad_w += g.t() @ h[s:e].float()
+                grad_w += g.t() @ h[s:e].to(acc)
         return (
             None if grad_h is None else grad_h.to(h.dtype),
             None if grad_w is None else grad_w.to(w.dtype),
