@@ -1,0 +1,188 @@
+"""Checkpoints that are either complete or invisible.
+
+Layout of `run_dir/checkpoints/`:
+
+    step_00000100/                      a complete checkpoint (only ever appears by rename)
+        accelerate/                     model, optimizer, RNG of every rank (accelerator.save_state;
+                                        FSDP2 runs write a sharded state dict there)
+        data_rank00000.pt ...           the data pipeline state of every rank (covers its workers)
+        trainer.pt                      step, tokens seen, scheduler, guard and spike-window state
+        config.yaml                     the resolved run config
+        COMPLETE                        written last, after every rank has finished its files
+    .tmp-step_00000200/                 being written, or left behind by a killed run: never read
+
+Every rank writes its own files into the temporary folder; after a barrier, rank 0 writes
+`COMPLETE` (with the file list), fsyncs and renames the folder into place. A rename within one
+directory is atomic on POSIX filesystems, so a reader sees either nothing or the whole checkpoint.
+The run folder must be on a filesystem every rank shares (the usual setup for multi-node runs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+TMP_PREFIX = ".tmp-"
+MARKER = "COMPLETE"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def is_complete(path: str | Path) -> bool:
+    """True when `path` is a finished checkpoint: a `step_N` folder holding a valid marker whose
+    file list is all present (guards against a folder copied or truncated by hand)."""
+    path = Path(path)
+    if not _STEP_RE.match(path.name) or not path.is_dir():
+        return False
+    marker = path / MARKER
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return all((path / rel).exists() for rel in info.get("files", []))
+
+
+def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `ckpt_dir`, oldest first (by step number)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if _STEP_RE.match(p.name) and is_complete(p)]
+    return sorted(found, key=lambda p: int(_STEP_RE.match(p.name).group(1)))
+
+
+def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, or None. Temporary and unmarked folders are ignored."""
+    found = list_checkpoints(ckpt_dir)
+    return found[-1] if found else None
+
+
+def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
+    """`""` -> None (fresh start); `"auto"` -> newest complete checkpoint or None;
+    a path -> that checkpoint, which must be complete."""
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(ckpt_dir)
+    path = Path(resume)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint.resume={resume}: no such folder; use 'auto' or a step_N folder "
+                                f"under {ckpt_dir}")
+    if not is_complete(path):
+        raise ValueError(f"checkpoint {path} is incomplete (no valid {MARKER} marker: the write was cut off); "
+                         f"pick an earlier one or use checkpoint.resume=auto")
+    return path
+
+
+def step_of(path: str | Path) -> int:
+    match = _STEP_RE.match(Path(path).name)
+    assert match, path
+    return int(match.group(1))
+
+
+class CheckpointManager:
+    """Saves and restores full training state through an `accelerate.Accelerator`.
+
+    `save(step, trainer_state, data_state, config_yaml)` is collective: every rank must call it.
+    """
+
+    def __init__(self, ckpt_dir: str | Path, accelerator, keep_last: int = 3):
+        if keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
+        self.dir = Path(ckpt_dir)
+        self.acc = accelerator
+        self.keep_last = keep_last
+        if self.acc.is_main_process:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_tmp()
+        self.acc.wait_for_everyone()
+
+    def _remove_stale_tmp(self) -> None:
+        for p in self.dir.glob(TMP_PREFIX + "*"):
+            log.warning("removing incomplete checkpoint folder %s (a run was cut off while writing it)", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+    def save(self, step: int, *, trainer_state: dict, data_state: dict | None, config_yaml: str) -> Path:
+        """Write checkpoint `step` (collective). Returns the final folder."""
+        t0 = time.perf_counter()
+        name = checkpoint_name(step)
+        final = self.dir / name
+        tmp = self.dir / (TMP_PREFIX + name)
+        rank = self.acc.process_index
+        if self.acc.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        # accelerate writes model + optimizer (rank 0, or shards under FSDP) and every rank's RNG.
+        self.acc.save_state(str(tmp / "accelerate"))
+        torch.save(data_state, tmp / f"data_rank{rank:05d}.pt")
+        if self.acc.is_main_process:
+            torch.save(trainer_state, tmp / "trainer.pt")
+            (tmp / "config.yaml").write_text(config_yaml)
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+            expected = {f"data_rank{r:05d}.pt" for r in range(self.acc.num_processes)}
+            assert expected <= set(files), f"missing data state files: {expected - set(files)}"
+            marker = tmp / MARKER
+            with open(marker, "w") as fh:
+                json.dump({"step": step, "files": files, "world_size": self.acc.num_processes,
+                           "time": time.time()}, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            _fsync_dir(tmp)
+            if final.exists():  # re-saving the same step (e.g. SIGTERM right after a periodic save)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+            self._prune()
+            log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
+        self.acc.wait_for_everyone()
+        return final
+
+    def _prune(self) -> None:
+        found = list_checkpoints(self.dir)
+        for old in found[: max(0, len(found) - self.keep_last)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, path: str | Path) -> tuple[dict, dict | None]:
+        """Restore model/optimizer/RNG into the prepared objects; return (trainer_state, data_state
+        of this rank). The world size must match the one that wrote the checkpoint, because every
+        rank's data position and RNG are restored exactly."""
+        path = Path(path)
+        info = json.loads((path / MARKER).read_text())
+        if info.get("world_size") != self.acc.num_processes:
+            raise ValueError(f"checkpoint {path} was written by {info.get('world_size')} processes but this run has "
+                             f"{self.acc.num_processes}; exact resume needs the same world size (launch with "
+                             f"--num_processes {info.get('world_size')})")
+        self.acc.load_state(str(path / "accelerate"))
+        trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+        data_state = torch.load(path / f"data_rank{self.acc.process_index:05d}.pt", weights_only=False)
+        log.info("resumed from %s (step %d)", path, trainer_state.get("step", -1))
+        return trainer_state, data_state

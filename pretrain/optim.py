@@ -1,0 +1,107 @@
+"""Optimizer and learning-rate schedules for pretraining.
+
+AdamW with two parameter groups: matrices get weight decay; norms, embeddings, biases and other
+vectors do not (decaying a norm gain or an embedding row toward zero only hurts). Fused AdamW on
+CUDA. Schedules are pure functions of the step wrapped in a LambdaLR, so resuming a checkpoint only
+needs the step count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from .config import OptimConfig
+
+log = logging.getLogger(__name__)
+
+# Substrings of parameter names that never get weight decay, whatever their rank.
+NO_DECAY_NAME_PARTS = ("norm", "embed", "bias", "tok_emb", "wte", "patch_emb", "pos_emb")
+
+
+def is_no_decay(name: str, param: torch.Tensor) -> bool:
+    """True for parameters excluded from weight decay: vectors/scalars (norm gains, biases),
+    and anything named like a norm or an embedding (2-D embedding tables included)."""
+    lowered = name.lower()
+    return param.ndim < 2 or any(part in lowered for part in NO_DECAY_NAME_PARTS)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Split trainable parameters into a decayed and a non-decayed AdamW group.
+
+    Each group carries `names` (kept out of the optimizer's state dict keys by torch) so tests and
+    logs can check which parameter went where."""
+    decay, no_decay, decay_names, no_decay_names = [], [], [], []
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        if is_no_decay(name, param):
+            no_decay.append(param)
+            no_decay_names.append(name)
+        else:
+            decay.append(param)
+            decay_names.append(name)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay, "names": decay_names})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0, "names": no_decay_names})
+    if not groups:
+        raise ValueError("the model has no trainable parameters; check requires_grad on its modules")
+    return groups
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over `param_groups`; fused when every parameter lives on CUDA (faster, same math)."""
+    groups = param_groups(model, cfg.weight_decay)
+    on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if on_cuda:
+        kwargs["fused"] = True
+    n_decay = sum(p.numel() for g in groups if g["weight_decay"] > 0 for p in g["params"])
+    n_all = sum(p.numel() for g in groups for p in g["params"])
+    log.info("AdamW%s: %d params with weight decay %.3g, %d without",
+             " (fused)" if on_cuda else "", n_decay, cfg.weight_decay, n_all - n_decay)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_factor(step: int, cfg: OptimConfig, num_steps: int) -> float:
+    """Multiplier on `cfg.lr` at optimizer step `step` (0-based).
+
+    - warmup: linear from 1/warmup to 1 over `warmup_steps`;
+    - cosine: then cosine from 1 down to `min_lr_ratio` at `num_steps`;
+    - wsd: then constant 1 until the last `decay_fraction` of steps, which decay linearly to
+      `min_lr_ratio` (warmup-stable-decay: a run can be extended by moving the decay point);
+    - constant: 1 after warmup.
+    """
+    warmup = max(0, cfg.warmup_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    floor = cfg.min_lr_ratio
+    total = max(num_steps, warmup + 1)
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if cfg.schedule == "wsd":
+        decay_steps = max(1, int(round(cfg.decay_fraction * total)))
+        decay_start = max(warmup, total - decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, total - decay_start))
+        return 1.0 - (1.0 - floor) * progress
+    raise ValueError(f"unknown optim.schedule '{cfg.schedule}'; choose cosine, wsd or constant")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, num_steps: int):
+    """A LambdaLR stepping once per optimizer step (not per micro-batch, not per rank)."""
+    if not 0.0 <= cfg.min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {cfg.min_lr_ratio}")
+    if not 0.0 < cfg.decay_fraction <= 1.0:
+        raise ValueError(f"optim.decay_fraction must be in (0, 1], got {cfg.decay_fraction}")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, num_steps))

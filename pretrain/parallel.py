@@ -1,0 +1,108 @@
+"""Everything that changes how a finished single-device model executes, applied in one place
+(DESIGN 3.1): activation checkpointing, then torch.compile, per transformer block. Data parallelism
+and FSDP2 sharding come after, from `accelerator.prepare` and the accelerate config file
+(`configs/accelerate/fsdp2.yaml` wraps the same transformer blocks). Also: deterministic mode.
+
+Order matters (as in torchtitan): checkpointing wraps the block's forward, compile then traces the
+wrapped forward, and sharding wraps the compiled blocks last.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
+
+# Attribute names under which models keep their repeated transformer blocks.
+BLOCK_CONTAINER_NAMES = ("layers", "blocks", "h")
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated decoder blocks of `model`: the first ModuleList found under one of
+    BLOCK_CONTAINER_NAMES (also one level down, e.g. `model.decoder.layers`)."""
+    candidates = [model] + [m for _, m in model.named_children()]
+    for owner in candidates:
+        for name in BLOCK_CONTAINER_NAMES:
+            blocks = getattr(owner, name, None)
+            if isinstance(blocks, torch.nn.ModuleList) and len(blocks) > 0:
+                return list(blocks)
+    raise ValueError(f"{type(model).__name__} has no ModuleList named one of {BLOCK_CONTAINER_NAMES}; "
+                     "activation checkpointing and compile need the transformer blocks")
+
+
+def block_class_names(model: torch.nn.Module) -> list[str]:
+    """Class names of the transformer blocks (what FSDP's transformer_layer_cls_to_wrap needs)."""
+    return sorted({type(b).__name__ for b in transformer_blocks(model)})
+
+
+def _checkpointed_forward(original_forward, *args, **kwargs):
+    # Non-reentrant checkpointing supports keyword args and outputs that are tuples/dataclasses.
+    return checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> int:
+    """Recompute each block's activations in backward. The forward is replaced on the instance,
+    so parameter names and state-dict keys do not change. Returns the number of blocks wrapped."""
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        if getattr(block, "_omniloom_ac", False):
+            continue
+        block.forward = functools.partial(_checkpointed_forward, block.forward)
+        block._omniloom_ac = True
+    return len(blocks)
+
+
+def apply_compile(model: torch.nn.Module) -> int:
+    """torch.compile each block in place (`Module.compile` keeps state-dict keys). Per-block
+    compilation keeps compile time flat in depth and lets the MoE's data-dependent routing run
+    between graphs when it must."""
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        block.compile(dynamic=True)
+    return len(blocks)
+
+
+def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator) -> torch.nn.Module:
+    """Apply activation checkpointing and compile per `train_cfg`, then hand the model to the
+    caller, who passes it to `accelerator.prepare` (DDP or FSDP2 from the accelerate config)."""
+    if train_cfg.activation_checkpointing:
+        n = apply_activation_checkpointing(model)
+        log.info("activation checkpointing on %d blocks", n)
+    if train_cfg.compile:
+        if train_cfg.deterministic:
+            log.warning("train.compile with train.deterministic: compiled kernels may pick different "
+                        "algorithms than eager; exact reproducibility holds only run-to-run with compile")
+        n = apply_compile(model)
+        log.info("torch.compile on %d blocks", n)
+    dist_type = str(getattr(accelerator, "distributed_type", ""))
+    if "FSDP" in dist_type:
+        log.info("FSDP from the accelerate config will wrap %s", ", ".join(block_class_names(model)))
+    return model
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) identically."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Deterministic kernels where torch has them, and an error where it does not (so a silent
+    source of nondeterminism cannot sneak into a run that claims to be exact)."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
