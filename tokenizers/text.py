@@ -1,0 +1,286 @@
+"""The omniloom tokenizer: SentencePiece BPE for text and code plus the layout's special ids and the
+image/video settings, saved as `tokenizer.model` + `tokenizer.json` (DESIGN 2.2).
+
+Encoding then decoding any UTF-8 string gives it back exactly (identity normalization, byte
+fallback, no dummy prefix, no whitespace collapsing). The one character SentencePiece cannot carry
+through is U+2581 (its own whitespace mark): the wrapper encodes it as its three UTF-8 byte pieces,
+so only text containing U+2581 gets ids that differ from a bare SentencePiece encode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from omniloom.tokenizers import layout
+from omniloom.tokenizers.settings import MediaSettings
+
+log = logging.getLogger(__name__)
+
+FORMAT = "omniloom-tokenizer"
+VERSION = 1
+MODEL_FILE, JSON_FILE = "tokenizer.model", "tokenizer.json"
+WS_MARK = "\u2581"
+_WS_MARK_BYTE_IDS = [layout.FIRST_BYTE_ID + b for b in WS_MARK.encode("utf-8")]
+
+# SentencePiece settings fit for code (FIELD-NOTES "SentencePiece for text + code").
+SP_TRAINER_DEFAULTS = dict(
+    model_type="bpe",
+    byte_fallback=True,
+    split_digits=True,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    allow_whitespace_only_pieces=True,
+    add_dummy_prefix=False,
+    max_sentence_length=16384,  # bytes; corpus chunks are cut at 4096 so none is ever dropped
+    input_sentence_size=0,  # we sample deterministically ourselves (corpus.sample_chunks)
+    shuffle_input_sentence=False,
+    max_sentencepiece_length=16,
+)
+
+
+class Tokenizer:
+    """Text/code ids, special ids and media settings of one trained tokenizer.
+
+    `Tokenizer.load(dir)` reads tokenizer.model + tokenizer.json. Picklable (DataLoader workers get
+    a copy of the serialized model, not a file path).
+    """
+
+    def __init__(self, model_proto: bytes, settings: MediaSettings | None = None, info: dict | None = None):
+        import sentencepiece as spm
+
+        self._proto = bytes(model_proto)
+        self.sp = spm.SentencePieceProcessor(model_proto=self._proto)
+        self.settings = settings or MediaSettings()
+        self.info = dict(info or {})
+        self.vocab_size = int(self.sp.vocab_size())
+        self.special_ids = dict(layout.SPECIAL_IDS)
+        for name, idx in self.special_ids.items():
+            piece = layout.META_TOKENS[idx] if idx < len(layout.META_TOKENS) else layout.CONTROL_TOKENS[idx - len(layout.META_TOKENS)]
+            if idx >= self.vocab_size or self.sp.id_to_piece(idx) != piece:
+                raise ValueError(f"tokenizer model does not hold {piece!r} at id {idx} (special {name!r}); retrain it with `omniloom tokenizer train`")
+        self.bos_id, self.eos_id, self.pad_id = layout.BOS_ID, layout.EOS_ID, layout.PAD_ID
+        self.patch_id = layout.PATCH_ID
+        self._encode = self.sp.EncodeAsIds  # bound once: the per-call kwargs handling of sp.encode costs ~10%
+        self._special_set = frozenset(range(layout.FIRST_BYTE_ID))
+
+    # -- media settings ------------------------------------------------------------------------
+    @property
+    def patch_dim(self) -> int:
+        return self.settings.patch_dim
+
+    @property
+    def tubelet_dim(self) -> int:
+        return self.settings.tubelet_dim
+
+    # -- text ----------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text` (no bos/eos). decode(encode(s)) == s for every str s."""
+        if WS_MARK not in text:
+            return self._encode(text)
+        ids: list[int] = []
+        for i, part in enumerate(text.split(WS_MARK)):
+            if i:
+                ids.extend(_WS_MARK_BYTE_IDS)
+            if part:
+                ids.extend(self._encode(part))
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = -1) -> list[list[int]]:
+        """encode() for many texts, in SentencePiece's thread pool for the common case."""
+        plain = [i for i, t in enumerate(texts) if WS_MARK not in t]
+        out: list[list[int] | None] = [None] * len(texts)
+        if plain:
+            for i, ids in zip(plain, self.sp.encode([texts[i] for i in plain], num_threads=num_threads)):
+                out[i] = ids
+        for i, t in enumerate(texts):
+            if out[i] is None:
+                out[i] = self.encode(t)
+        return out  # type: ignore[return-value]
+
+    def decode(self, ids: Iterable[int], specials: bool = False) -> str:
+        """Text of `ids`. Special ids decode to nothing, or to their tag text with specials=True."""
+        ids = [int(i) for i in ids]
+        if not specials:
+            return self.sp.decode(ids)
+        out, run = [], []
+        for i in ids:
+            if i in self._special_set:
+                out.append(self.sp.decode(run))
+                out.append(self.sp.id_to_piece(i))
+                run = []
+            else:
+                run.append(i)
+        out.append(self.sp.decode(run))
+        return "".join(out)
+
+    def id_to_piece(self, idx: int) -> str:
+        return self.sp.id_to_piece(int(idx))
+
+    def piece_to_id(self, piece: str) -> int:
+        return int(self.sp.piece_to_id(piece))
+
+    # -- files ---------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        """The tokenizer.json object: vocab layout, special ids, media settings, training record."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "model_file": MODEL_FILE,
+            "model_sha256": hashlib.sha256(self._proto).hexdigest(),
+            "vocab_size": self.vocab_size,
+            "special_ids": dict(self.special_ids),
+            "special_tokens": {name: self.id_to_piece(i) for name, i in self.special_ids.items()},
+            "reserved_ids": [len(layout.META_TOKENS) + len(layout.SPECIAL_TOKENS), layout.FIRST_BYTE_ID],  # [start, end)
+            "byte_fallback_ids": [layout.FIRST_BYTE_ID, layout.FIRST_BYTE_ID + 256],
+            "modalities": {name: i for i, name in enumerate(layout.MODALITY_NAMES)},
+            "patch_dim": self.patch_dim,
+            "tubelet_dim": self.tubelet_dim,
+            "patch_layout": {"image": "c,y,x", "video": "c,t,y,x"},
+            "media": self.settings.to_dict(),
+            "training": self.info.get("training", {}),
+        }
+
+    def save(self, out_dir: str | os.PathLike) -> Path:
+        """Write tokenizer.model and tokenizer.json into out_dir (created if needed)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MODEL_FILE).write_bytes(self._proto)
+        (out / JSON_FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """Read a tokenizer folder (or the path of its tokenizer.json)."""
+        p = Path(path)
+        folder = p.parent if p.name == JSON_FILE else p
+        jpath, mpath = folder / JSON_FILE, folder / MODEL_FILE
+        if not jpath.is_file() or not mpath.is_file():
+            raise FileNotFoundError(f"{folder} holds no {MODEL_FILE} + {JSON_FILE}; make one with `omniloom tokenizer train`")
+        try:
+            meta = json.loads(jpath.read_text())
+        except ValueError as err:
+            raise ValueError(f"{jpath} is not valid JSON: {err}") from err
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{jpath} is not an omniloom tokenizer (format {meta.get('format')!r}, want {FORMAT!r})")
+        if meta.get("version", 0) > VERSION:
+            raise ValueError(f"{jpath} has version {meta.get('version')}, newer than this omniloom reads ({VERSION}); upgrade omniloom")
+        tok = cls(mpath.read_bytes(), MediaSettings.from_dict(meta.get("media", {})), {"training": meta.get("training", {})})
+        if meta.get("vocab_size") not in (None, tok.vocab_size):
+            raise ValueError(f"{jpath} says vocab_size {meta['vocab_size']} but {mpath} has {tok.vocab_size}; the two files do not belong together")
+        if meta.get("special_ids") not in (None, tok.special_ids):
+            raise ValueError(f"{jpath} special ids differ from this omniloom's fixed layout; retrain the tokenizer")
+        return tok
+
+    def with_settings(self, settings: MediaSettings) -> Tokenizer:
+        """The same vocabulary with other media settings."""
+        return Tokenizer(self._proto, settings, self.info)
+
+    def __getstate__(self):
+        return {"proto": self._proto, "settings": self.settings.to_dict(), "info": self.info}
+
+    def __setstate__(self, state):
+        self.__init__(state["proto"], MediaSettings.from_dict(state["settings"]), state["info"])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, patch_size={self.settings.patch_size}, temporal_patch_size={self.settings.temporal_patch_size})"
+
+
+TextTokenizer = Tokenizer  # the name the brief uses; one class serves text, code and media settings
+
+
+def _is_path_source(source) -> bool:
+    if isinstance(source, (str, os.PathLike)):
+        return True
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, os.PathLike) for s in source):
+        return True
+    return False
+
+
+def train_tokenizer(
+    source,
+    out_dir: str | os.PathLike,
+    vocab_size: int,
+    *,
+    settings: MediaSettings | None = None,
+    max_sentences: int = 300_000,
+    seed: int = 0,
+    character_coverage: float = 0.99995,
+    num_threads: int | None = None,
+    progress: bool = False,
+) -> Tokenizer:
+    """Train the SentencePiece BPE model and write tokenizer.model + tokenizer.json to out_dir.
+
+    `source` is a shard directory or tar (str or Path), a list of Paths, or any iterable of text
+    strings. Text and code segments are cut into chunks of <= 4 KB at line ends; when there are
+    more than `max_sentences` chunks a deterministic uniform sample (seeded reservoir) is used.
+    Returns the loaded Tokenizer.
+    """
+    import sentencepiece as spm
+
+    from omniloom.tokenizers import corpus
+
+    if vocab_size < layout.FIRST_LEARNED_ID + 64:
+        raise ValueError(f"vocab_size {vocab_size} is too small: {layout.FIRST_LEARNED_ID} ids are fixed (specials + 256 byte pieces); use at least {layout.FIRST_LEARNED_ID + 64}")
+    if max_sentences < 1:
+        raise ValueError("max_sentences must be >= 1")
+    stats: Counter = Counter()
+    t0 = time.perf_counter()
+    if _is_path_source(source):
+        shards = corpus.resolve_shards(source)
+        docs = corpus.iter_shard_docs(shards, stats)
+        if progress:
+            from tqdm import tqdm
+
+            docs = tqdm(docs, desc="reading documents", unit="doc", mininterval=1.0)
+        texts = corpus.iter_text_segments(docs, stats)
+        source_desc = [str(p) for p in shards]
+    else:
+        texts = source
+        source_desc = "in-memory texts"
+    sentences = corpus.sample_chunks(texts, max_sentences, seed, stats)
+    if not sentences:
+        raise ValueError(f"no text or code found to train on ({dict(stats)}); check that the shards hold text/code segments")
+    options = dict(SP_TRAINER_DEFAULTS)
+    options.update(
+        vocab_size=vocab_size,
+        character_coverage=character_coverage,
+        unk_id=layout.UNK_ID,
+        bos_id=layout.BOS_ID,
+        eos_id=layout.EOS_ID,
+        pad_id=layout.PAD_ID,
+        control_symbols=list(layout.CONTROL_TOKENS),
+        num_threads=num_threads or min(16, os.cpu_count() or 1),
+        minloglevel=0 if log.isEnabledFor(logging.DEBUG) else 2,
+    )
+    log.info("training SentencePiece BPE: vocab %d on %d chunks (%d chars)", vocab_size, len(sentences), stats["chunk_chars"])
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=model, **options)
+    except RuntimeError as err:
+        msg = str(err)
+        if "Vocabulary size" in msg or "vocab_size" in msg:
+            raise ValueError(f"SentencePiece cannot build {vocab_size} pieces from this corpus ({msg.strip()}); use a smaller --vocab-size or more text") from err
+        raise
+    info = {
+        "training": {
+            "vocab_size": vocab_size,
+            "seed": seed,
+            "max_sentences": max_sentences,
+            "character_coverage": character_coverage,
+            "sentencepiece": {k: v for k, v in options.items() if k not in ("control_symbols", "minloglevel", "num_threads")},
+            "corpus": {"source": source_desc, **{k: int(v) for k, v in sorted(stats.items())}},
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
+    }
+    tok = Tokenizer(model.getvalue(), settings or MediaSettings(), info)
+    tok.save(out_dir)
+    log.info("wrote %s (%d pieces) in %.1fs", Path(out_dir) / MODEL_FILE, tok.vocab_size, time.perf_counter() - t0)
+    return tok
