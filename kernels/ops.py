@@ -5,7 +5,8 @@
     ce_T, z_T = ops.linear_cross_entropy(h_TD, w_VD, labels_T)
     x_ND, perm_N, counts_E = ops.moe_permute(x_TD, topk_idx_TK, E); ops.moe_unpermute(y_ND, perm_N, w_TK)
 
-The kernels issue adds the Triton backend behind the same names; the model never imports Triton.
+The Triton backend (kernels/custom_ops.py over kernels/triton_*.py) sits behind the same names;
+the model never imports Triton.
 """
 
 from __future__ import annotations
@@ -19,10 +20,42 @@ KernelMode = Literal["auto", "reference", "triton"]
 OP_NAMES = ("rms_norm", "swiglu", "apply_rope", "linear_cross_entropy", "moe_permute", "moe_unpermute")
 
 
+def triton_usable() -> tuple[bool, str]:
+    """Whether the Triton backend can run here, and if not, why (for error messages)."""
+    import os
+
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "triton is not installed"
+    import torch
+
+    if torch.cuda.is_available() or interpret:
+        return True, ""
+    return False, "Triton kernels need a CUDA GPU (or TRITON_INTERPRET=1 for CPU tests)"
+
+
 def get_ops(mode: KernelMode = "auto", device: str | None = None) -> SimpleNamespace:
-    """Return a namespace with one function per op for the chosen backend."""
+    """Return a namespace with one function per op (see OP_NAMES) for the chosen backend, and
+    `name` ("triton" or "reference").
+
+    mode "auto": Triton when the target device is CUDA (`device`, else whether CUDA is available)
+    and triton imports; the reference otherwise. "reference": plain PyTorch on any device.
+    "triton": the Triton kernels; a ValueError when they cannot run here."""
     if mode not in ("auto", "reference", "triton"):
         raise ValueError(f"unknown kernels mode '{mode}'; choose auto, reference or triton")
+    if mode == "auto":
+        usable, _ = triton_usable()
+        on_cuda = device is None or str(device).startswith("cuda")
+        import torch
+
+        mode = "triton" if usable and on_cuda and torch.cuda.is_available() else "reference"
     if mode == "triton":
-        raise ValueError("kernels='triton' is not available in this build; use 'auto' or 'reference'")
+        usable, why = triton_usable()
+        if not usable:
+            raise ValueError(f"kernels='triton' cannot run here: {why}; use 'auto' or 'reference'")
+        from . import custom_ops
+
+        return SimpleNamespace(name="triton", **{n: custom_ops.OPS[n] for n in OP_NAMES})
     return SimpleNamespace(name="reference", **{n: getattr(reference, n) for n in OP_NAMES})
