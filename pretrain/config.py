@@ -43,14 +43,16 @@ class TrainConfig:
     activation_checkpointing: bool = False
     eval_every: int = 0
     eval_steps: int = 10
-    max_bad_steps: int = 5
+    max_bad_steps: int = 5  # non-finite loss/grad-norm steps in a row before the run stops
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    find_unused_parameters: bool = False  # DDP: only for models with parameters some steps skip
 
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    every: int = 500
+    every: int = 500  # steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)
     keep_last: int = 3
-    resume: str = ""  # "", "auto", or a checkpoint path
+    resume: str = ""  # "": fresh; "auto": newest complete checkpoint of run_dir, if any; or a step_N path
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,396 @@
+"""The training entry point and loop.
+
+    accelerate launch --config_file configs/accelerate/cpu_2proc.yaml \
+        -m omniloom.pretrain.train --config configs/tiny.yaml train.num_steps=50
+    omniloom train tiny data.sources='[{path: shards/train}]'          # one process
+
+The loop (`Trainer.fit`) reads top to bottom: get micro-batches, forward, backward, clip, guard,
+step, update MoE router biases, log, checkpoint, evaluate, stop on a signal. Every rank runs the
+same code; values that decide a branch (loss finiteness, the stop flag) are all-reduced first so
+the ranks never disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import build as B
+from .checkpoint import CheckpointManager, resolve_resume
+from .config import RunConfig, load_config, to_yaml
+from .config_io import to_dict
+from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector
+from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
+from .optim import build_optimizer, build_scheduler
+from .parallel import apply_parallelism, seed_everything, set_deterministic
+
+log = logging.getLogger("omniloom.train")
+
+# One all-reduced vector per step: [loss, ce, z, aux, out_norm, stop, tokens, ce_sum_M(5), count_M(5)].
+_NSCALAR = 7
+
+
+@dataclasses.dataclass
+class TrainResult:
+    step: int
+    tokens_seen: int
+    stopped_by: str  # "done", "signal"
+    last_checkpoint: str | None
+    losses: list[float]
+
+
+def make_accelerator(cfg: RunConfig):
+    """An Accelerator for this run: cpu=True without CUDA (multi-process launches then use gloo),
+    bf16 autocast on GPU unless configured otherwise, TensorBoard tracker under run_dir/tb."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
+
+    cpu = not torch.cuda.is_available()
+    mp = cfg.train.mixed_precision
+    if mp == "auto":
+        mp = "no" if cpu else "bf16"
+    if cpu and mp != "no":
+        log.warning("train.mixed_precision=%s ignored on CPU: training in fp32", mp)
+        mp = "no"
+    run_dir = Path(cfg.train.run_dir)
+    return Accelerator(
+        cpu=cpu,
+        mixed_precision=mp,
+        log_with="tensorboard" if cfg.logging.tensorboard else None,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "tb")),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.train.find_unused_parameters)],
+        step_scheduler_with_optimizer=False,
+    )
+
+
+class Trainer:
+    """Owns the prepared model, optimizer, scheduler, loaders and the small units the loop calls.
+
+    `build_model(cfg) -> nn.Module` and `build_loader(cfg, split, rank, world_size)` default to
+    the real model and data stream (pretrain/build.py); tests pass their own."""
+
+    def __init__(self, cfg: RunConfig, *, build_model: Callable | None = None,
+                 build_loader: Callable | None = None, progress: bool = True):
+        self.acc = make_accelerator(cfg)
+        set_deterministic(cfg.train.deterministic)
+        self._build_loader = build_loader or B.build_loader
+        if build_model is None:
+            cfg = B.resolve_model_config(cfg)
+            build_model = B.build_model
+        self.cfg = cfg
+        self.run_dir = Path(cfg.train.run_dir)
+        self.device = self.acc.device
+        # Same seed on every rank: identical initial weights without relying on a broadcast.
+        seed_everything(cfg.train.seed)
+        model = build_model(cfg)
+        self.flops_per_token = B.model_flops_per_token(model, cfg.data.seq_len)
+        model = apply_parallelism(model, cfg.train, self.acc).to(self.device)
+        optimizer = build_optimizer(model, cfg.optim)
+        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.num_steps)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.acc, cfg.checkpoint.keep_last)
+        self.guard = NonFiniteGuard(cfg.train.max_bad_steps)
+        self.spikes = {"loss": SpikeDetector(cfg.logging.spike_window, cfg.logging.spike_sigma),
+                       "grad_norm": SpikeDetector(cfg.logging.spike_window, cfg.logging.spike_sigma)}
+        self.shutdown = GracefulShutdown()
+        self.timer = StepTimer()
+        self.step, self.tokens_seen, self.last_checkpoint = 0, 0, None
+        self.progress = progress
+        self.peak_flops = peak_flops_per_device(self.device)
+
+        # Resume before the loader exists, so the loader starts from the restored position.
+        data_state = None
+        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt.dir)
+        if cfg.checkpoint.resume == "auto" and resume is None:
+            log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", self.ckpt.dir)
+        if resume is not None:
+            data_state = self._restore(resume)
+        self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
+        if data_state is not None:
+            self.train_loader.load_state_dict(data_state)
+        # Iterator creation draws from torch's global RNG (DataLoader base seed); fork it so an
+        # uninterrupted and a resumed run keep the same global RNG stream.
+        with torch.random.fork_rng(devices=[]):
+            self.train_iter = iter(self.train_loader)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        cfg, acc = self.cfg, self.acc
+        logger = MetricsLogger(acc, self.run_dir, total_steps=cfg.train.num_steps, start_step=self.step,
+                               tensorboard=cfg.logging.tensorboard, run_name=self.run_dir.name,
+                               hparams=to_dict(cfg), progress=self.progress)
+        self.shutdown.install()
+        losses: list[float] = []
+        window = _Window()
+        stopped_by = "done"
+        try:
+            while self.step < cfg.train.num_steps:
+                t_step = time.perf_counter()
+                step_vec, counts_LME = self._train_step()
+                stats = self._unpack(step_vec)
+                ok = self.guard.check(self.step, stats["loss"], stats["grad_norm"], self.last_checkpoint)
+                if ok:
+                    with self.timer.phase("optimizer"):
+                        self.optimizer.step()
+                        self._update_router_biases(counts_LME)
+                self.optimizer.zero_grad(set_to_none=True)
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+                self.scheduler.step()
+                self.step += 1
+                self.tokens_seen += int(stats["tokens"])
+                losses.append(stats["loss"])
+                window.add(stats, counts_LME, time.perf_counter() - t_step, self.timer.pop())
+
+                record = {"loss": stats["loss"], "grad_norm": stats["grad_norm"],
+                          "lr": lr, "tokens_seen": self.tokens_seen,
+                          "skipped_updates": self.guard.total_skipped}
+                for name, det in self.spikes.items():
+                    z = det.update(stats[name])
+                    if z is not None:
+                        record[f"spike/{name}_z"] = z
+                        log.warning("step %d: %s spike, z-score %.1f (window %d)", self.step, name, z, det.window)
+                if self.step % cfg.logging.every == 0 or self.step == cfg.train.num_steps:
+                    record.update(self._window_metrics(window))
+                    window = _Window()
+                logger.log(record, self.step)
+                logger.progress(self.step, {"loss": stats["loss"], "lr": record["lr"]})
+
+                stop = stats["stop"] > 0
+                if stop or self._due(cfg.checkpoint.every) or self.step == cfg.train.num_steps:
+                    self.save()
+                if cfg.train.eval_every and self._due(cfg.train.eval_every):
+                    logger.log(self.evaluate(), self.step)
+                if stop:
+                    stopped_by = "signal"
+                    log.warning("stopped by %s at step %d; resume with checkpoint.resume=auto",
+                                self.shutdown.signal_name or "a signal on another rank", self.step)
+                    break
+        finally:
+            self.shutdown.restore()
+            logger.close()
+        return TrainResult(self.step, self.tokens_seen, stopped_by, self.last_checkpoint, losses)
+
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward/backward over `grad_accum_steps` micro-batches and clip; return the all-reduced
+        step vector and the expert counts summed over micro-batches and ranks."""
+        cfg, acc = self.cfg, self.acc
+        accum = cfg.train.grad_accum_steps
+        self.model.train()
+        acc_vec = torch.zeros(_NSCALAR + 2 * B.NUM_MODALITIES, device=self.device)
+        counts_LME = None
+        for micro in range(accum):
+            with self.timer.phase("data"):
+                batch = self._next_batch()
+            # Only the last micro-batch all-reduces gradients.
+            sync = contextlib.nullcontext() if micro == accum - 1 else acc.no_sync(self.model)
+            with sync:
+                with self.timer.phase("forward"):
+                    loss, st = B.read_output(B.forward(self.model, batch))
+                with self.timer.phase("backward"):
+                    acc.backward(loss / accum)
+            acc_vec += torch.cat([torch.stack([st.loss / accum, st.ce_loss / accum, st.z_loss / accum,
+                                               st.aux_loss / accum, st.out_norm / accum]).to(self.device),
+                                  torch.tensor([0.0, float(batch.input_ids.numel())], device=self.device),
+                                  st.ce_sum_M.to(self.device), st.count_M.to(self.device)])
+            if st.expert_counts_LME is not None:
+                counts_LME = st.expert_counts_LME if counts_LME is None else counts_LME + st.expert_counts_LME
+        with self.timer.phase("optimizer"):
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+            acc_vec[5] = 1.0 if self.shutdown.requested else 0.0
+            # Mean over ranks for losses; sum for the stop flag, tokens and per-modality sums.
+            reduced = acc.reduce(acc_vec, reduction="sum")
+            reduced[:5] /= acc.num_processes
+            if counts_LME is not None:
+                counts_LME = acc.reduce(counts_LME.to(self.device), reduction="sum")
+        self._grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        return reduced, counts_LME
+
+    def _next_batch(self):
+        try:
+            batch = next(self.train_iter)
+        except StopIteration:
+            # A finite stream ran out: start the next epoch (the stream decides its own order).
+            log.info("train data exhausted at step %d: starting another pass", self.step)
+            with torch.random.fork_rng(devices=[]):
+                self.train_iter = iter(self.train_loader)
+            batch = next(self.train_iter)
+        return batch.to(self.device)
+
+    def _unpack(self, vec: torch.Tensor) -> dict:
+        v = vec.detach().double().cpu()
+        m = B.NUM_MODALITIES
+        return {"loss": float(v[0]), "ce_loss": float(v[1]), "z_loss": float(v[2]), "aux_loss": float(v[3]),
+                "out_norm": float(v[4]), "stop": float(v[5]), "tokens": float(v[6]),
+                "ce_sum_M": v[_NSCALAR:_NSCALAR + m], "count_M": v[_NSCALAR + m:_NSCALAR + 2 * m],
+                "grad_norm": self._grad_norm}
+
+    def _update_router_biases(self, counts_LME: torch.Tensor | None) -> None:
+        model = self.acc.unwrap_model(self.model)
+        fn = getattr(model, "update_router_biases", None)
+        if counts_LME is not None and callable(fn):
+            with torch.no_grad():
+                fn(counts_LME)
+
+    def _due(self, every: int) -> bool:
+        return every > 0 and self.step % every == 0
+
+    def _window_metrics(self, w: "_Window") -> dict:
+        """Averages over the steps since the last log line."""
+        n = max(1, w.steps)
+        out = {"ce_loss": w.sums["ce_loss"] / n, "z_loss": w.sums["z_loss"] / n,
+               "aux_loss": w.sums["aux_loss"] / n, "final_out_norm": w.sums["out_norm"] / n}
+        out.update(per_modality_losses(w.ce_sum_M, w.count_M, "loss"))
+        tokens_per_s = w.tokens / max(w.wall, 1e-9)
+        out["tokens_per_s"] = tokens_per_s
+        out["tokens_per_s_per_device"] = tokens_per_s / self.acc.num_processes
+        u = mfu(self.flops_per_token, out["tokens_per_s_per_device"], self.peak_flops)
+        if u is not None:
+            out["mfu"] = u
+        phases = sum(w.phases.values())
+        for name, seconds in w.phases.items():
+            out[f"time/{name}_s"] = seconds / n
+        out["data_wait_fraction"] = w.phases.get("data", 0.0) / max(w.wall, 1e-9)
+        out["step_time_s"] = w.wall / n
+        out["time/other_s"] = max(0.0, w.wall - phases) / n
+        if w.counts_LME is not None:
+            out.update(expert_balance(w.counts_LME))
+        out.update(B.loader_metrics(self.train_loader))
+        return out
+
+    # ---- units the loop calls ---------------------------------------------------------------
+    def save(self) -> None:
+        trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen,
+                         "scheduler": self.scheduler.state_dict(), "guard": self.guard.state_dict(),
+                         "spikes": {k: d.state_dict() for k, d in self.spikes.items()}}
+        path = self.ckpt.save(self.step, trainer_state=trainer_state, data_state=self.train_loader.state_dict(),
+                              config_yaml=to_yaml(self.cfg))
+        self.last_checkpoint = str(path)
+
+    def _restore(self, path: Path) -> dict:
+        trainer_state, data_state = self.ckpt.load(path)
+        self.step = int(trainer_state["step"])
+        self.tokens_seen = int(trainer_state["tokens_seen"])
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        self.guard.load_state_dict(trainer_state["guard"])
+        for k, d in self.spikes.items():
+            d.load_state_dict(trainer_state["spikes"][k])
+        self.last_checkpoint = str(path)
+        return data_state
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss per modality over `train.eval_steps` batches (all ranks, all-reduced).
+        Runs under a forked RNG so evaluating never changes the training trajectory."""
+        with torch.random.fork_rng(devices=[]):
+            loader = self._build_loader(self.cfg, "eval", self.acc.process_index, self.acc.num_processes)
+            if loader is None:
+                log.warning("train.eval_every is set but data.eval_sources is empty: no evaluation")
+                return {}
+            self.model.eval()
+            m = B.NUM_MODALITIES
+            vec = torch.zeros(2 * m + 2, device=self.device)
+            for i, batch in enumerate(loader):
+                if i >= self.cfg.train.eval_steps:
+                    break
+                _, st = B.read_output(B.forward(self.model, batch.to(self.device)))
+                vec += torch.cat([st.ce_sum_M.to(self.device), st.count_M.to(self.device),
+                                  torch.stack([st.loss.to(self.device), torch.ones((), device=self.device)])])
+            self.model.train()
+        vec = self.acc.reduce(vec, reduction="sum").double().cpu()
+        out = per_modality_losses(vec[:m], vec[m:2 * m], "eval/loss")
+        if vec[-1] > 0:
+            out["eval/loss"] = float(vec[-2] / vec[-1])
+        log.info("eval at step %d: %s", self.step, {k: round(v, 4) for k, v in out.items()})
+        return out
+
+
+class _Window:
+    """Sums over the steps between two log lines."""
+
+    def __init__(self):
+        self.steps, self.wall, self.tokens = 0, 0.0, 0.0
+        self.sums = {"ce_loss": 0.0, "z_loss": 0.0, "aux_loss": 0.0, "out_norm": 0.0}
+        self.ce_sum_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
+        self.count_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
+        self.counts_LME = None
+        self.phases: dict[str, float] = {}
+
+    def add(self, stats: dict, counts_LME, wall: float, phases: dict) -> None:
+        self.steps += 1
+        self.wall += wall
+        self.tokens += stats["tokens"]
+        for k in self.sums:
+            self.sums[k] += stats[k]
+        self.ce_sum_M += stats["ce_sum_M"]
+        self.count_M += stats["count_M"]
+        if counts_LME is not None:
+            c = counts_LME.detach().double().cpu()
+            self.counts_LME = c if self.counts_LME is None else self.counts_LME + c
+        for k, v in phases.items():
+            self.phases[k] = self.phases.get(k, 0.0) + v
+
+
+def run(cfg: RunConfig, **kwargs) -> TrainResult:
+    """Build a Trainer for `cfg` and train. Raises NonFiniteError when the guard stops the run."""
+    return Trainer(cfg, **kwargs).fit()
+
+
+def build_arg_parser(prog: str = "python -m omniloom.pretrain.train") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Train an omniloom model. Launch with `accelerate launch [--config_file "
+        "configs/accelerate/X.yaml] -m omniloom.pretrain.train --config configs/tiny.yaml [key=value ...]` "
+        "for several processes; plain python runs one.")
+    add_train_args(p)
+    return p
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="preset name (tiny, small_100m, large_1b) or YAML path")
+    p.add_argument("--resume", default=None,
+                   help="'auto' (newest complete checkpoint in RUN_DIR/checkpoints, else start fresh) or a "
+                   "step_N folder; same as checkpoint.resume=...")
+    p.add_argument("--run-dir", default=None, help="output folder (same as train.run_dir=...)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics still go to JSONL)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=50 optim.lr=1e-3")
+
+
+def config_from_args(args) -> RunConfig:
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append(f"checkpoint.resume={args.resume}")
+    if args.run_dir is not None:
+        overrides.append(f"train.run_dir={args.run_dir}")
+    return load_config(args.config, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for `accelerate launch -m omniloom.pretrain.train`."""
+    args = build_arg_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    try:
+        result = run(config_from_args(args), progress=not args.no_progress)
+    except NonFiniteError as err:
+        print(f"omniloom train: {err}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as err:
+        print(f"omniloom train: error: {err}", file=sys.stderr)
+        return 2
+    log.info("finished at step %d (%s), %d tokens; last checkpoint %s", result.step, result.stopped_by,
+             result.tokens_seen, result.last_checkpoint)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
