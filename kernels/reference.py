@@ -11,10 +11,11 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32, returned in x's dtype."""
-    x32 = x.float()
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (float64 for float64 x), returned in x's dtype."""
+    acc = _acc_dtype(x)
+    x32 = x.to(acc)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    return (y * weight.to(acc)).to(x.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -27,8 +28,9 @@ def apply_rope(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tenso
     out[..., :d] = x1*cos - x2*sin; out[..., d:] = x2*cos + x1*sin.
     cos/sin are per token (M-RoPE builds them from 3-D positions), broadcast over heads."""
     d = x_BSHD.shape[-1] // 2
-    x1, x2 = x_BSHD[..., :d].float(), x_BSHD[..., d:].float()
-    cos, sin = cos_BSd.float().unsqueeze(2), sin_BSd.float().unsqueeze(2)
+    acc = _acc_dtype(x_BSHD)  # fp32, float64 for float64 parity checks
+    x1, x2 = x_BSHD[..., :d].to(acc), x_BSHD[..., d:].to(acc)
+    cos, sin = cos_BSd.to(acc).unsqueeze(2), sin_BSd.to(acc).unsqueeze(2)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BSHD.dtype)
 
 

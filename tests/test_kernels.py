@@ -1,0 +1,139 @@
+"""The kernel API without Triton: backend selection, and the PyTorch references (the CPU path and
+the ground truth of the Triton parity tests) against independent float64 formulas.
+
+Triton parity under TRITON_INTERPRET=1 lives in test_kernels_triton.py (in a subprocess)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omniloom.kernels import parity, reference
+from omniloom.kernels.ops import OP_NAMES, get_ops
+
+
+def test_get_ops_reference_and_auto_on_cpu():
+    ref = get_ops("reference")
+    assert ref.name == "reference" and all(callable(getattr(ref, n)) for n in OP_NAMES)
+    assert get_ops("auto", device="cpu").name == "reference"
+    if not torch.cuda.is_available():
+        assert get_ops("auto").name == "reference"
+
+
+def test_get_ops_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="auto, reference or triton"):
+        get_ops("cuda")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a CPU-only run")
+def test_get_ops_triton_without_cuda_says_what_to_use():
+    with pytest.raises(ValueError, match="use 'auto' or 'reference'"):
+        get_ops("triton")
+
+
+# ---- independent float64 formulas (plain autograd, no chunking, no custom Function)
+
+
+def _rms64(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope64(x, cos, sin):
+    d = x.shape[-1] // 2
+    # the rotation as complex multiplication: (x1 + i x2) * (cos + i sin)
+    z = torch.complex(x[..., :d], x[..., d:]) * torch.complex(cos, sin).unsqueeze(2)
+    return torch.cat([z.real, z.imag], -1)
+
+
+def _ce64(h, w, labels, ignore_index=-100):
+    logits = h @ w.t()
+    ce = F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none")
+    z = torch.logsumexp(logits, -1).pow(2) * (labels != ignore_index)
+    return ce, z
+
+
+class _Float64Ops:
+    """A namespace with the parity-harness interface, built from the formulas above."""
+
+    name = "float64"
+
+    @staticmethod
+    def rms_norm(x, w, eps):
+        return _rms64(x, w, eps)
+
+    @staticmethod
+    def swiglu(g, u):
+        return g * torch.sigmoid(g) * u
+
+    @staticmethod
+    def apply_rope(x, cos, sin):
+        return _rope64(x, cos, sin)
+
+    @staticmethod
+    def linear_cross_entropy(h, w, labels, *, ignore_index=-100, chunk_size=0):
+        return _ce64(h, w, labels, ignore_index)
+
+    @staticmethod
+    def moe_permute(x, topk, E):
+        flat = topk.reshape(-1)
+        # stable sort by expert without argsort: sort the key expert * N + position
+        key = flat * flat.numel() + torch.arange(flat.numel())
+        perm = torch.sort(key).indices
+        return x[perm // topk.shape[1]], perm, torch.stack([(flat == e).sum() for e in range(E)])
+
+    @staticmethod
+    def moe_unpermute(y, perm, w):
+        T, K = w.shape
+        out = torch.zeros(T, y.shape[1], dtype=y.dtype)
+        for n, p in enumerate(perm.tolist()):
+            out[p // K] = out[p // K] + w[p // K, p % K] * y[n]
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", range(len(parity.TINY_CASES)), ids=[op for op, _ in parity.TINY_CASES])
+def test_reference_matches_float64_formulas(case, dtype):
+    op, shapes = parity.TINY_CASES[case]
+    r = parity.run_case(op, shapes, dtype, "cpu", get_ops("reference"), _Float64Ops, ref_dtype=torch.float64)
+    assert r.ok, r.line()
+
+
+def test_reference_ce_is_chunk_size_invariant_and_ignores_labels():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[::5] = -100
+    outs = []
+    for chunk in (1, 7, 37, 4096):
+        ce, z = reference.linear_cross_entropy(h, w, labels, chunk_size=chunk)
+        gh, gw = torch.autograd.grad((ce * 0.3 + z * 0.01).sum(), (h, w))
+        outs.append((ce, z, gh, gw))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            torch.testing.assert_close(a, b)
+    ce, z = outs[0][:2]
+    assert torch.all(ce[::5] == 0) and torch.all(z[::5] == 0) and torch.all(ce[1::5] > 0)
+    assert ce.dtype == torch.float64
+
+
+def test_reference_ce_fp16_inputs_give_fp32_losses():
+    h = torch.randn(4, 8).half()
+    w = torch.randn(11, 8).half()
+    ce, z = reference.linear_cross_entropy(h, w, torch.tensor([0, 1, -100, 10]))
+    assert ce.dtype == torch.float32 and z.dtype == torch.float32
+
+
+def test_reference_permute_roundtrip_is_identity_with_unit_weights():
+    x = torch.randn(9, 6)
+    topk = torch.randint(0, 4, (9, 3))
+    x_nd, perm, counts = reference.moe_permute(x, topk, 4)
+    assert counts.dtype == torch.int64 and int(counts.sum()) == 27
+    # rows arrive grouped by expert, in token order inside each expert
+    experts = topk.reshape(-1)[perm]
+    assert torch.all(experts[1:] >= experts[:-1])
+    back = reference.moe_unpermute(x_nd, perm, torch.full((9, 3), 1 / 3))
+    torch.testing.assert_close(back, x)
