@@ -1,0 +1,427 @@
+"""Ingest for `omniloom data build`: discover inputs, and turn one input unit into one validated
+document (DESIGN 2.1) with its media bytes, or into rejects.
+
+Discovery is single-process and cheap (a directory walk, plus a parse of HTML pages and JSONL files
+to learn which media they reference); it yields `Unit`s in a deterministic order. Processing a unit
+(`process_unit`) is the expensive part (full image decodes, video demuxing) and runs in worker
+processes; it is a pure function of the unit and the settings, which is what makes the output
+independent of the worker count.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+
+from .html_doc import extract_html, local_refs
+from .media import MediaLimits, validate_image, validate_video
+from .validate import (
+    Reject,
+    TextPolicy,
+    decode_text,
+    document_fingerprint,
+    parse_input_document,
+    real_file_inside,
+    resolve_inside,
+    segment_fingerprint,
+)
+
+log = logging.getLogger(__name__)
+
+PROSE_EXT = {".txt", ".md", ".markdown", ".rst", ".text"}
+IMAGE_EXT = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
+VIDEO_EXT = {".mp4", ".m4v", ".webm", ".mkv", ".mov", ".avi", ".flv", ".ts", ".mpg", ".mpeg", ".ogv", ".3gp", ".wmv"}
+HTML_EXT = {".html", ".htm", ".xhtml"}
+JSONL_EXT = {".jsonl", ".ndjson"}
+CODE_EXT = {
+    ".py": "python", ".pyi": "python", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp",
+    ".hpp": "cpp", ".hh": "cpp", ".hxx": "cpp", ".cu": "cuda", ".rs": "rust", ".go": "go", ".java": "java",
+    ".kt": "kotlin", ".scala": "scala", ".js": "javascript", ".mjs": "javascript", ".cjs": "javascript",
+    ".jsx": "javascript", ".ts": "typescript", ".tsx": "typescript", ".sh": "shell", ".bash": "shell",
+    ".zsh": "shell", ".sql": "sql", ".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml",
+    ".rb": "ruby", ".php": "php", ".cs": "csharp", ".swift": "swift", ".lua": "lua", ".r": "r", ".jl": "julia",
+    ".hs": "haskell", ".ml": "ocaml", ".css": "css", ".proto": "protobuf", ".cmake": "cmake",
+}
+CODE_NAMES = {"Makefile": "makefile", "Dockerfile": "dockerfile", "CMakeLists.txt": "cmake"}
+# Note: ".ts" is TypeScript unless PyAV says it is an MPEG transport stream (see _classify).
+CAPTION_KEYS = ("caption", "text", "alt", "title", "description")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """One input that becomes at most one document. `kind` is text, code, image, video, html,
+    jsonl (one line), other (unknown extension: tried as a video) or reject (found bad during
+    discovery)."""
+
+    source: str  # the SOURCE argument as given
+    root: str  # absolute root the unit's media must stay inside
+    rel: str  # path relative to root, '/'-separated
+    kind: str
+    lang: str = ""
+    sidecar: str = ""
+    line: int = 0
+    offset: int = 0
+    length: int = 0
+    code: str = ""
+    reason: str = ""
+
+    @property
+    def uid(self) -> str:
+        return f"{self.root_index_name}/{self.rel}" + (f":{self.line}" if self.line else "")
+
+    @property
+    def root_index_name(self) -> str:
+        return os.path.basename(self.root.rstrip("/")) or "root"
+
+    @property
+    def display(self) -> str:
+        """The path as a person finds it: the SOURCE as given joined with the relative path."""
+        base = self.source if os.path.isdir(self.source) else os.path.dirname(self.source)
+        return os.path.join(base, self.rel) + (f":{self.line}" if self.line else "")
+
+    @property
+    def key(self) -> str:
+        """Sample key: stable digest of the unit's identity (no dots; unique across parts)."""
+        return hashlib.sha1(self.uid.encode("utf-8", "surrogatepass")).hexdigest()[:20]
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestSettings:
+    """What a worker needs to process units (picklable)."""
+
+    text: TextPolicy = field(default_factory=TextPolicy)
+    limits: MediaLimits = field(default_factory=MediaLimits)
+    on_bad_media: str = "drop-segment"
+
+    def __post_init__(self):
+        if self.on_bad_media not in ("drop-segment", "drop-doc"):
+            raise ValueError(f"--on-bad-media must be drop-segment or drop-doc, got {self.on_bad_media!r}")
+
+    def to_dict(self) -> dict:
+        return {"text": asdict(self.text), "limits": asdict(self.limits), "on_bad_media": self.on_bad_media}
+
+
+# --- discovery -------------------------------------------------------------------------------
+
+
+def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False) -> list[Unit]:
+    """Walk `sources` (folders, or single files) into units in a deterministic order.
+
+    Hidden files and folders (dot-names) and the `exclude` paths (the build's own output) are
+    skipped. Symlinked folders are not followed (they are reported). Media files that an HTML page
+    or JSONL record in the same source references are not also made standalone documents unless
+    `standalone_referenced`."""
+    excluded = {os.path.realpath(p) for p in exclude}
+    units: list[Unit] = []
+    hidden = 0
+    for source in sources:
+        if not os.path.exists(source) and not os.path.islink(source):
+            raise FileNotFoundError(f"source {source} does not exist; pass folders or files to build from")
+        if os.path.isdir(source):
+            root = os.path.abspath(source)
+            files: list[str] = []
+            for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+                if os.path.realpath(dirpath) in excluded:
+                    dirnames[:] = []
+                    continue
+                keep = []
+                for d in sorted(dirnames):
+                    full = os.path.join(dirpath, d)
+                    if d.startswith("."):
+                        hidden += 1
+                    elif os.path.islink(full):
+                        rel = os.path.relpath(full, root).replace(os.sep, "/")
+                        units.append(Unit(source=source, root=root, rel=rel, kind="reject", code="symlinked-dir",
+                                          reason="symlinked folder not followed (avoids loops and duplicates); pass its target as a SOURCE to include it"))
+                    else:
+                        keep.append(d)
+                dirnames[:] = keep
+                for f in sorted(filenames):
+                    if f.startswith("."):
+                        hidden += 1
+                        continue
+                    files.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
+        else:
+            root = os.path.dirname(os.path.abspath(source))
+            files = [os.path.basename(source)]
+        units.extend(_units_for_files(source, root, sorted(files), standalone_referenced))
+    if hidden:
+        log.info("skipped %d hidden files/folders (names starting with '.')", hidden)
+    units.sort(key=lambda u: (u.source, u.rel, u.line))
+    return units
+
+
+def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool) -> list[Unit]:
+    fileset = set(files)
+    units: list[Unit] = []
+    referenced: set[str] = set()
+    sidecars: set[str] = set()
+    media_units = []
+    for rel in files:
+        stem, ext = os.path.splitext(rel)
+        ext = ext.lower()
+        name = os.path.basename(rel)
+        full = os.path.join(root, rel)
+        if ext in IMAGE_EXT or ext in VIDEO_EXT and not (ext == ".ts" and _looks_like_text(full)):
+            side = next((stem + s for s in (".txt", ".json") if stem + s in fileset), "")
+            if side:
+                sidecars.add(side)
+            media_units.append(Unit(source=source, root=root, rel=rel, kind="image" if ext in IMAGE_EXT else "video", sidecar=side))
+        elif ext in HTML_EXT:
+            units.append(Unit(source=source, root=root, rel=rel, kind="html"))
+            referenced |= _html_refs(root, full)
+        elif ext in JSONL_EXT:
+            line_units, refs = _jsonl_units(source, root, rel)
+            units.extend(line_units)
+            referenced |= refs
+        elif name in CODE_NAMES:
+            units.append(Unit(source=source, root=root, rel=rel, kind="code", lang=CODE_NAMES[name]))
+        elif ext in PROSE_EXT:
+            units.append(Unit(source=source, root=root, rel=rel, kind="text"))
+        elif ext in CODE_EXT:
+            units.append(Unit(source=source, root=root, rel=rel, kind="code", lang=CODE_EXT[ext]))
+        else:
+            units.append(Unit(source=source, root=root, rel=rel, kind="other"))
+    # Sidecars are captions, not documents of their own.
+    units = [u for u in units if u.rel not in sidecars]
+    for u in media_units:
+        if not standalone_referenced and _real(os.path.join(root, u.rel)) in referenced:
+            continue
+        units.append(u)
+    return units
+
+
+def _looks_like_text(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return not head.startswith(b"\x47")  # MPEG-TS packets start with the 0x47 sync byte
+
+
+def _real(path: str) -> str:
+    try:
+        return os.path.realpath(path, strict=True)
+    except OSError:
+        return ""
+
+
+def _html_refs(root: str, full: str) -> set[str]:
+    try:
+        with open(full, "rb") as f:
+            text = f.read().decode("utf-8", errors="replace")
+        segments, _ = extract_html(text)
+    except Exception:  # noqa: BLE001 - the unit itself reports the problem when processed
+        return set()
+    base = os.path.dirname(full)
+    return {_real(os.path.join(base, r)) for r in local_refs(segments) if not r.startswith("data:")} - {""}
+
+
+def _jsonl_units(source: str, root: str, rel: str) -> tuple[list[Unit], set[str]]:
+    full = os.path.join(root, rel)
+    units, refs = [], set()
+    base = os.path.dirname(full)
+    try:
+        f = open(full, "rb")
+    except OSError as err:
+        return [Unit(source=source, root=root, rel=rel, kind="reject", code="unreadable", reason=f"cannot open JSONL file: {err.strerror}")], refs
+    with f:
+        offset = 0
+        for lineno, raw in enumerate(f, start=1):
+            if raw.strip():
+                units.append(Unit(source=source, root=root, rel=rel, kind="jsonl", line=lineno, offset=offset, length=len(raw)))
+                try:
+                    segments, _ = parse_input_document(json.loads(raw))
+                    refs |= {_real(os.path.join(base, r)) for r in local_refs(segments)}
+                except Exception:  # noqa: BLE001 - reported when the line is processed
+                    pass
+            offset += len(raw)
+    return units, refs - {""}
+
+
+# --- processing one unit ---------------------------------------------------------------------
+
+
+def process_unit(unit: Unit, settings: IngestSettings) -> dict:
+    """Turn `unit` into {"key", "doc" (dict or None), "members" [(suffix, bytes)], "fingerprint",
+    "rejects" [dict], "stats"}. Never raises for bad input: every problem becomes a reject."""
+    out = {"key": unit.key, "doc": None, "members": [], "fingerprint": "", "rejects": [], "stats": {}}
+    try:
+        if unit.kind == "reject":
+            raise Reject(unit.code, unit.reason)
+        segments, meta = _load_unit(unit, settings, out["rejects"])
+        _finish(unit, segments, meta, settings, out)
+    except Reject as rej:
+        out["doc"], out["members"] = None, []
+        out["rejects"].append(_reject(unit, rej, action="dropped-doc"))
+    except Exception as err:  # noqa: BLE001 - a bug or an exotic file must not kill the build
+        log.debug("unexpected error on %s", unit.display, exc_info=True)
+        out["doc"], out["members"] = None, []
+        out["rejects"].append(_reject(unit, Reject("error", f"unexpected {type(err).__name__}: {err}"), action="dropped-doc"))
+    return out
+
+
+def _reject(unit: Unit, rej: Reject, *, action: str, segment: int | None = None, ref: str | None = None) -> dict:
+    rec = {"path": unit.display, "code": rej.code, "reason": rej.reason, "action": action}
+    if segment is not None:
+        rec["segment"] = segment
+    if ref is not None:
+        rec["ref"] = ref
+    return rec
+
+
+def _read_checked(unit: Unit, rel_or_path: str, *, limit: int, what: str) -> bytes:
+    real = real_file_inside(unit.root, os.path.join(unit.root, rel_or_path), what=what)
+    size = os.path.getsize(real)
+    if size > limit:
+        raise Reject("too-large", f"{what} is {size} bytes, above the limit {limit}")
+    with open(real, "rb") as f:
+        return f.read()
+
+
+def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict], dict]:
+    meta: dict = {"source": unit.uid}
+    k = unit.kind
+    if k in ("text", "code"):
+        data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what=f"{k} file")
+        text = decode_text(data, st.text, what=f"{k} file")
+        seg = {"type": "text", "text": text} if k == "text" else {"type": "code", "lang": unit.lang, "text": text}
+        return [seg], meta
+    if k in ("image", "video", "other"):
+        real = real_file_inside(unit.root, os.path.join(unit.root, unit.rel), what=f"{k} file")
+        kind = "image" if k == "image" else "video"
+        segments = [{"type": kind, "path": unit.rel, "_abs": real, "_standalone": True}]
+        if unit.sidecar:
+            try:
+                caption, side_meta = _read_sidecar(unit, st)
+                meta["caption_source"] = unit.sidecar
+                if side_meta:
+                    meta["sidecar"] = side_meta
+                if caption:
+                    segments.append({"type": "text", "text": caption})
+            except Reject as rej:
+                rejects.append(_reject(unit, rej, action="dropped-caption", ref=unit.sidecar))
+        return segments, meta
+    if k == "html":
+        data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what="HTML page")
+        segments, page_meta = extract_html(decode_text(data, st.text, what="HTML page"))
+        meta.update(page_meta)
+        return segments, meta
+    if k == "jsonl":
+        real = real_file_inside(unit.root, os.path.join(unit.root, unit.rel), what="JSONL file")
+        with open(real, "rb") as f:
+            f.seek(unit.offset)
+            raw = f.read(unit.length)
+        line = decode_text(raw, st.text, what=f"JSONL line {unit.line}")
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise Reject("bad-json", f"line {unit.line} is not valid JSON ({err.msg} at column {err.colno}); fix or remove the line") from None
+        segments, rec_meta = parse_input_document(obj)
+        meta.update({k2: v for k2, v in rec_meta.items() if k2 != "source"})
+        if "source" in rec_meta:
+            meta["original_source"] = rec_meta["source"]
+        return segments, meta
+    raise AssertionError(f"unknown unit kind {k}")
+
+
+def _read_sidecar(unit: Unit, st: IngestSettings) -> tuple[str, dict]:
+    data = _read_checked(unit, unit.sidecar, limit=st.text.max_bytes, what="caption sidecar")
+    text = decode_text(data, st.text, what="caption sidecar")
+    if unit.sidecar.endswith(".txt"):
+        return text.strip(), {}
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise Reject("bad-json", f"caption sidecar {unit.sidecar} is not valid JSON ({err.msg})") from None
+    if not isinstance(obj, dict):
+        raise Reject("schema", f"caption sidecar {unit.sidecar} must hold a JSON object")
+    caption = next((obj[k] for k in CAPTION_KEYS if isinstance(obj.get(k), str) and obj[k].strip()), "")
+    return caption.strip(), obj
+
+
+def _load_media(unit: Unit, seg: dict, st: IngestSettings) -> bytes:
+    kind = seg["type"]
+    limit = st.limits.max_image_bytes if kind == "image" else st.limits.max_video_bytes
+    path = seg["path"]
+    if path.startswith("data:"):
+        head, _, payload = path.partition(",")
+        if not head.endswith(";base64"):
+            raise Reject("bad-ref", "data: URI media must be base64-encoded")
+        try:
+            return base64.b64decode(payload, validate=False)
+        except (binascii.Error, ValueError) as err:
+            raise Reject("bad-ref", f"data: URI does not decode as base64 ({err})") from None
+    if "_abs" in seg:
+        real = seg["_abs"]
+    else:
+        base = os.path.dirname(os.path.join(unit.root, unit.rel))
+        real = resolve_inside(unit.root, base, path)
+    size = os.path.getsize(real)
+    if size > limit:
+        which = "--max-image-bytes" if kind == "image" else "--max-video-bytes"
+        raise Reject("too-large", f"{kind} {path} is {size} bytes, above {which} {limit}")
+    with open(real, "rb") as f:
+        return f.read()
+
+
+def _finish(unit: Unit, segments: list[dict], meta: dict, st: IngestSettings, out: dict) -> None:
+    """Load and validate media, name members, build doc.json, fingerprint, stats."""
+    final, members, digests = [], [], []
+    media_meta: dict = {}
+    counters = {"image": 0, "video": 0}
+    alts = {}
+    stats = {"segments": {"text": 0, "code": 0, "image": 0, "video": 0}, "media_bytes": {"image": 0, "video": 0}}
+    for i, seg in enumerate(segments):
+        kind = seg["type"]
+        if kind in ("text", "code"):
+            if not seg["text"].strip():
+                continue
+            final.append(seg)
+            digests.append(segment_fingerprint(kind, seg["text"]))
+            continue
+        try:
+            data = _load_media(unit, seg, st)
+            info = validate_image(data, st.limits) if kind == "image" else validate_video(data, st.limits)
+        except Reject as rej:
+            if seg.get("_standalone"):
+                if unit.kind == "other" and rej.code == "not-a-video":
+                    ext = os.path.splitext(unit.rel)[1] or "(none)"
+                    raise Reject("unsupported", f"unsupported file type {ext}: not prose, code, image, HTML or JSONL, and PyAV cannot open it as a video") from None
+                raise
+            if st.on_bad_media == "drop-doc":
+                raise Reject(rej.code, f"segment {i} ({kind} {seg['path'][:120]}): {rej.reason}; document dropped (--on-bad-media drop-doc)") from None
+            out["rejects"].append(_reject(unit, rej, action="dropped-segment", segment=i, ref=seg["path"][:300]))
+            continue
+        src_ext = os.path.splitext(seg["path"])[1].lower().lstrip(".")
+        ext = info.pop("ext")
+        if kind == "video" and src_ext and src_ext.isalnum() and not seg["path"].startswith("data:"):
+            ext = src_ext  # keep the original container's name (webm stays webm)
+        ref = f"{'img' if kind == 'image' else 'vid'}{counters[kind]}.{ext}"
+        counters[kind] += 1
+        final.append({"type": kind, "ref": ref})
+        members.append((ref, data))
+        info["bytes"] = len(data)
+        media_meta[ref] = info
+        if seg.get("alt"):
+            alts[ref] = seg["alt"]
+        digests.append(segment_fingerprint(kind, data))
+        stats["media_bytes"][kind] += len(data)
+    if not final:
+        raise Reject("empty", "document has no usable segments left (all text empty or all media bad)")
+    for s in final:
+        stats["segments"][s["type"]] += 1
+    if media_meta:
+        meta["media"] = media_meta
+    if alts:
+        meta["alts"] = alts
+    out["doc"] = {"schema": 1, "segments": final, "meta": meta}
+    out["members"] = members
+    out["fingerprint"] = document_fingerprint(digests)
+    out["stats"] = stats

@@ -1,0 +1,132 @@
+"""The shard manifest (DESIGN 2.1) and random access to samples: shared by data prep (writer), the
+stream reader and the tokenizer trainer.
+
+Public helpers:
+- `read_manifest(dir) -> dict`: load and check `DIR/manifest.json`.
+- `iter_sample_at(tar_path, offset) -> (key, {member_suffix: bytes})`: read the one sample whose
+  first member's 512-byte tar header starts at `offset`.
+- `iter_shard_samples(tar_path) -> iterator of (offset, key, {suffix: bytes})`: read a shard
+  front to back, grouping members into samples.
+- `write_json_atomic(path, obj)`: temp file + fsync + rename, so no reader sees half a manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from collections.abc import Iterator
+
+FORMAT = "omniloom-shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+REJECTS = "rejects.jsonl"
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """Load `directory/manifest.json` and check its format and version. Raises FileNotFoundError
+    (no manifest: the build is unfinished or the path is wrong) or ValueError (not ours)."""
+    path = os.path.join(os.fspath(directory), MANIFEST)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} not found: {directory} is not a finished shard directory "
+            "(run `omniloom data build ... --out DIR` to make one, or rerun it to finish)"
+        )
+    with open(path, encoding="utf-8") as f:
+        try:
+            man = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); rebuild the shards") from None
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an omniloom shard manifest (format {man.get('format') if isinstance(man, dict) else None!r})")
+    if man.get("version") != VERSION:
+        raise ValueError(f"{path} has manifest version {man.get('version')}; this omniloom reads version {VERSION}")
+    return man
+
+
+def write_json_atomic(path: str | os.PathLike, obj, *, indent: int | None = 1) -> None:
+    """Write JSON so a crash leaves either the old file or the complete new one."""
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=indent, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename durable (POSIX: the directory entry lives in the directory)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def split_member(name: str) -> tuple[str, str]:
+    """`KEY.img0.jpg` -> ("KEY", "img0.jpg"): WebDataset's rule, the key ends at the first dot."""
+    key, dot, suffix = name.partition(".")
+    return key, suffix if dot else ""
+
+
+def iter_sample_at(tar_path: str | os.PathLike, offset: int) -> tuple[str, dict[str, bytes]]:
+    """Read the sample whose first member's header starts at byte `offset` of `tar_path` (the
+    `offset` a manifest lists). Returns (key, {member_suffix: bytes}), e.g.
+    ("3f2a...", {"doc.json": b"...", "img0.jpg": b"..."})."""
+    members: dict[str, bytes] = {}
+    key = None
+    with open(tar_path, "rb") as f:
+        f.seek(offset)
+        while True:
+            header = f.read(tarfile.BLOCKSIZE)
+            if len(header) < tarfile.BLOCKSIZE or header == b"\0" * tarfile.BLOCKSIZE:
+                break
+            try:
+                info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+            except tarfile.HeaderError as err:
+                raise ValueError(f"{tar_path}: no valid tar header at byte {f.tell() - tarfile.BLOCKSIZE} ({err})") from None
+            k, suffix = split_member(info.name)
+            if key is None:
+                key = k
+            elif k != key:
+                break
+            data = f.read(info.size)
+            if len(data) != info.size:
+                raise ValueError(f"{tar_path}: member {info.name} is truncated")
+            members[suffix] = data
+            f.seek((-info.size) % tarfile.BLOCKSIZE, os.SEEK_CUR)
+    if key is None:
+        raise ValueError(f"{tar_path}: no sample at byte {offset}")
+    return key, members
+
+
+def iter_shard_samples(tar_path: str | os.PathLike, *, only: tuple[str, ...] | None = None) -> Iterator[tuple[int, str, dict[str, bytes | None]]]:
+    """Yield (offset, key, {suffix: bytes}) for every sample of a shard in file order. With `only`,
+    read only those members' data; the others map to None (skipped, never read)."""
+    with tarfile.open(tar_path, "r:") as tf:
+        cur_key, cur_off, cur = None, 0, {}
+        for info in tf:
+            k, suffix = split_member(info.name)
+            if k != cur_key:
+                if cur_key is not None:
+                    yield cur_off, cur_key, cur
+                cur_key, cur_off, cur = k, info.offset, {}
+            if only is None or suffix in only:
+                cur[suffix] = tf.extractfile(info).read() if info.isfile() else b""
+            else:
+                cur[suffix] = None
+        if cur_key is not None:
+            yield cur_off, cur_key, cur
+
+
+def sample_index(manifest: dict) -> list[tuple[str, str, int]]:
+    """Flat (shard name, key, offset) for every sample, in manifest order."""
+    return [(s["name"], smp["key"], smp["offset"]) for s in manifest["shards"] for smp in s["samples"]]

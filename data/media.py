@@ -1,0 +1,227 @@
+"""Image and video validation for data prep: every media file is decoded before it is written.
+
+Images: header read, pixel-count (decompression bomb) limit checked *before* decoding, then a full
+decode of every frame with `img.load()`, then minimum side and aspect-ratio limits. Videos: opened
+with PyAV, a video stream must exist and yield a decoded frame, the whole stream is demuxed so a
+truncated index or missing data is caught, duration is taken from the container or estimated from
+packet timestamps, and duration and resolution must be within limits.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+from .validate import Reject
+
+IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff", "MPO": "jpg"}
+# Container names FFmpeg reports -> a file extension for the shard member.
+CONTAINER_EXT = {
+    "mov,mp4,m4a,3gp,3g2,mj2": "mp4",
+    "matroska,webm": "mkv",
+    "avi": "avi",
+    "flv": "flv",
+    "mpegts": "ts",
+    "ogg": "ogv",
+    "mpeg": "mpg",
+    "gif": "gif",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MediaLimits:
+    """Acceptance limits for media (all have CLI flags; see `omniloom data build --help`)."""
+
+    max_image_pixels: int = 8192 * 8192
+    min_image_side: int = 16
+    max_image_aspect: float = 10.0
+    max_image_bytes: int = 64 << 20
+    max_image_frames: int = 1000
+    min_video_seconds: float = 0.0
+    max_video_seconds: float = 600.0
+    min_video_side: int = 16
+    max_video_side: int = 4096
+    max_video_bytes: int = 1 << 30
+
+
+def validate_image(data: bytes, limits: MediaLimits) -> dict:
+    """Fully decode image bytes; return {"format", "ext", "width", "height", "mode", "frames"} or
+    raise Reject with the reason."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise Reject("empty", "zero-byte image file")
+    if len(data) > limits.max_image_bytes:
+        raise Reject("too-large", f"image is {len(data)} bytes, above --max-image-bytes {limits.max_image_bytes}")
+    with warnings.catch_warnings():
+        # PIL warns (and past 2x its own limit raises) on huge canvases; our limit is checked
+        # explicitly below, before any pixel is decoded.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            img = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as err:
+            raise Reject("image-bomb", f"image declares a huge canvas ({err}); refusing to decode it") from None
+        except UnidentifiedImageError:
+            raise Reject("not-an-image", "PIL cannot identify this as an image (corrupt, or not an image despite its name)") from None
+        except Exception as err:  # noqa: BLE001 - any parser error means an unusable file
+            raise Reject("corrupt-image", f"image header cannot be read: {err}") from None
+        with img:
+            if img.format not in IMAGE_FORMATS:
+                raise Reject("image-format", f"image format {img.format} is not accepted (accepted: {sorted(IMAGE_FORMATS)})")
+            w, h = img.size
+            if w * h > limits.max_image_pixels:
+                raise Reject(
+                    "image-bomb",
+                    f"image declares {w}x{h} = {w * h} pixels, above --max-image-pixels {limits.max_image_pixels} "
+                    "(decompression-bomb guard; raise the limit if the image is genuine)",
+                )
+            frames = getattr(img, "n_frames", 1)
+            if frames > limits.max_image_frames:
+                raise Reject("image-frames", f"animated image has {frames} frames, above {limits.max_image_frames}")
+            try:
+                for i in range(frames):
+                    if i:
+                        img.seek(i)
+                    img.load()
+            except Exception as err:  # noqa: BLE001 - truncated or corrupt pixel data
+                raise Reject("corrupt-image", f"image data does not decode (frame {i}): {err}") from None
+            mode = img.mode
+    if min(w, h) < limits.min_image_side:
+        raise Reject("image-too-small", f"image is {w}x{h}, smaller than --min-image-side {limits.min_image_side}")
+    aspect = max(w, h) / max(1, min(w, h))
+    if aspect > limits.max_image_aspect:
+        raise Reject("image-aspect", f"image is {w}x{h} (aspect {aspect:.1f}), above --max-image-aspect {limits.max_image_aspect}")
+    return {"format": img.format, "ext": IMAGE_FORMATS[img.format], "width": w, "height": h, "mode": mode, "frames": frames}
+
+
+def validate_video(data: bytes, limits: MediaLimits) -> dict:
+    """Open video bytes with PyAV, decode a frame, demux the whole stream; return
+    {"container", "ext", "codec", "width", "height", "fps", "frames", "duration", "duration_source"}
+    or raise Reject with the reason."""
+    import av
+
+    if not data:
+        raise Reject("empty", "zero-byte video file")
+    if len(data) > limits.max_video_bytes:
+        raise Reject("too-large", f"video is {len(data)} bytes, above --max-video-bytes {limits.max_video_bytes}")
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except Exception as err:  # noqa: BLE001 - FFmpeg raises many error types for junk input
+        raise Reject("not-a-video", f"PyAV/FFmpeg cannot open it as a media container ({_short(err)}); not a video, or truncated") from None
+    with container:
+        if not container.streams.video:
+            n_audio = len(container.streams.audio)
+            if n_audio:
+                raise Reject("audio-only", f"audio-only file ({n_audio} audio stream(s), no video stream); put it in an audio corpus instead")
+            if not container.streams.audio and not container.streams.video:
+                raise Reject(
+                    "no-video-stream",
+                    f"container ({container.format.name}) has no audio or video stream: a truncated MP4/MOV loses its index ('moov' atom) "
+                    "at the end of the file; re-download or re-encode it",
+                )
+            raise Reject("no-video-stream", "container has no video stream")
+        stream = container.streams.video[0]
+        cc = stream.codec_context
+        width, height = cc.width, cc.height
+        codec = cc.name
+        declared_frames = int(stream.frames or 0)
+        first = None
+        packets = 0
+        decode_errors = 0
+        max_end = None
+        min_pts = None
+        try:
+            for packet in container.demux(stream):
+                if packet.size == 0 and packet.pts is None:
+                    if first is None:  # flush packet: drain the decoder for the first frame
+                        first = _decode_first(stream, packet, first)
+                    continue
+                packets += 1
+                if packet.pts is not None:
+                    end = packet.pts + (packet.duration or 0)
+                    max_end = end if max_end is None else max(max_end, end)
+                    min_pts = packet.pts if min_pts is None else min(min_pts, packet.pts)
+                if first is None:
+                    try:
+                        first = _decode_first(stream, packet, first)
+                    except av.FFmpegError:
+                        decode_errors += 1
+        except Exception as err:  # noqa: BLE001
+            raise Reject("corrupt-video", f"demuxing failed after {packets} packets ({_short(err)}): the index or data is truncated or corrupt") from None
+        if first is None:
+            raise Reject("no-frames", f"video stream ({codec}) yields no decodable frame ({packets} packets, {decode_errors} decode errors)")
+        if declared_frames and packets < 0.9 * declared_frames:
+            raise Reject(
+                "truncated-video",
+                f"index declares {declared_frames} frames but only {packets} packets can be read: file is truncated",
+            )
+        width, height = width or first.width, height or first.height
+        fps = float(stream.average_rate or stream.guessed_rate or 0) or None
+        duration, source = None, None
+        tb = stream.time_base
+        if stream.duration and tb:
+            duration, source = float(stream.duration * tb), "stream"
+        elif container.duration:
+            duration, source = container.duration / 1_000_000, "container"
+        elif max_end is not None and tb:
+            duration, source = float((max_end - (min_pts or 0)) * tb), "packets"
+        elif fps:
+            duration, source = packets / fps, "frame-count"
+        if duration is None:
+            raise Reject("no-duration", "video duration is neither recorded nor estimable from timestamps")
+        fmt = container.format.name
+    if not (limits.min_video_seconds <= duration <= limits.max_video_seconds):
+        raise Reject(
+            "video-duration",
+            f"video lasts {duration:.2f}s, outside [--min-video-seconds {limits.min_video_seconds}, "
+            f"--max-video-seconds {limits.max_video_seconds}]",
+        )
+    if min(width, height) < limits.min_video_side or max(width, height) > limits.max_video_side:
+        raise Reject(
+            "video-resolution",
+            f"video is {width}x{height}, outside --min-video-side {limits.min_video_side} / --max-video-side {limits.max_video_side}",
+        )
+    return {
+        "container": fmt,
+        "ext": CONTAINER_EXT.get(fmt, fmt.split(",")[0]),
+        "codec": codec,
+        "width": width,
+        "height": height,
+        "fps": round(fps, 3) if fps else None,
+        "frames": declared_frames or packets,
+        "duration": round(duration, 3),
+        "duration_source": source,
+    }
+
+
+def _decode_first(stream, packet, first):
+    for frame in stream.codec_context.decode(packet):
+        return frame
+    return first
+
+
+def _short(err: Exception) -> str:
+    msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return msg[:200]
+
+
+def video_frame_strip(data: bytes, *, num_frames: int = 6, height: int = 96) -> list:
+    """Decode up to `num_frames` frames spread over the video, each scaled to `height` pixels high,
+    as PIL images (for `omniloom data inspect`)."""
+    import av
+
+    frames = []
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        total = int(stream.frames or 0)
+        all_frames = []
+        for i, frame in enumerate(container.decode(stream)):
+            # Without a frame count keep every frame (inspect targets short clips), else sample.
+            if total <= 0 or i % max(1, total // num_frames) == 0:
+                all_frames.append(frame)
+        step = max(1, len(all_frames) // num_frames)
+        for frame in all_frames[::step][:num_frames]:
+            w = max(1, round(frame.width * height / max(1, frame.height)))
+            frames.append(frame.reformat(width=w, height=height, format="rgb24").to_image())
+    return frames

@@ -1,0 +1,416 @@
+"""`omniloom data build`: deterministic, parallel, resumable shard writing (DESIGN 2.1).
+
+How the guarantees are met:
+- Deterministic: units are discovered in sorted order and processed by a pure function; workers
+  only compute, the main process consumes results strictly in unit order and alone decides
+  duplicates and shard boundaries; tar headers are fixed (mtime 0, uid/gid 0, mode 0644, USTAR).
+  So the bytes do not depend on `--workers`.
+- Resumable: each shard is written to `NAME-000000.tar.tmp`, fsynced, renamed, and only then a
+  line is appended to the build journal (`.build-journal.jsonl`) recording the shard entry, the
+  unit span it consumed, its rejects and the duplicate fingerprints it added. A rerun replays the
+  journal and continues at the first unconsumed unit; a half-written `.tmp` is discarded. The
+  manifest is written last (atomically), so no half-written shard is ever listed.
+- Scale-out: `--part I/N` keeps the units whose key hash is I mod N (stable, balanced), names its
+  shards `NAME-pIIII-000000.tar`, and `omniloom data merge` joins the parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import tarfile
+import time
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+
+from .ingest import IngestSettings, Unit, discover, process_unit
+from .manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir, read_manifest, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+JOURNAL = ".build-journal.jsonl"
+TAR_MTIME = 0
+_RECORD = tarfile.RECORDSIZE  # 10240: tar files are padded to whole records
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _blocks(n: int) -> int:
+    return (n + 511) // 512 * 512
+
+
+class DeterministicTarWriter:
+    """Writes samples to a tar with fixed headers, tracking offsets and a running sha256."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.f = open(path, "wb")
+        self.sha = hashlib.sha256()
+        self.size = 0
+        self.samples: list[dict] = []
+
+    def _write(self, data: bytes) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+
+    @staticmethod
+    def sample_bytes(members: list[tuple[str, bytes]]) -> int:
+        return sum(512 + _blocks(len(d)) for _, d in members)
+
+    def add_sample(self, key: str, members: list[tuple[str, bytes]]) -> None:
+        """Append one sample; `members` are (suffix, bytes) with doc.json first."""
+        self.samples.append({"key": key, "offset": self.size})
+        for suffix, data in members:
+            info = tarfile.TarInfo(f"{key}.{suffix}")
+            info.size, info.mtime, info.mode = len(data), TAR_MTIME, 0o644
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            self._write(info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict"))
+            self._write(data)
+            self._write(b"\0" * (_blocks(len(data)) - len(data)))
+
+    def finish(self) -> tuple[int, str]:
+        """End-of-archive blocks, pad to a whole record, fsync, close; return (bytes, sha256)."""
+        end = self.size + 1024
+        self._write(b"\0" * (end + (-end) % _RECORD - self.size))
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return self.size, self.sha.hexdigest()
+
+    def abort(self) -> None:
+        self.f.close()
+        os.unlink(self.path)
+
+
+def final_size(content: int) -> int:
+    """Size of a tar whose samples take `content` bytes, after end blocks and record padding."""
+    end = content + 1024
+    return end + (-end) % _RECORD
+
+
+# --- workers ---------------------------------------------------------------------------------
+
+_WORKER_SETTINGS: IngestSettings | None = None
+
+
+def _init_worker(settings: IngestSettings) -> None:
+    global _WORKER_SETTINGS
+    _WORKER_SETTINGS = settings
+    logging.getLogger().setLevel(logging.WARNING)
+
+
+def _process_chunk(units: list[Unit]) -> list[dict]:
+    return [process_unit(u, _WORKER_SETTINGS) for u in units]
+
+
+def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, chunk: int = 4):
+    """Yield process_unit results in unit order, computed by `workers` processes with a bounded
+    number of chunks in flight (back-pressure: memory stays flat on big media)."""
+    if workers <= 1:
+        for u in units:
+            yield process_unit(u, settings)
+        return
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(settings,)) as ex:
+        pending: deque = deque()
+        pos = 0
+        while pos < len(units) or pending:
+            while pos < len(units) and len(pending) < workers * 4:
+                pending.append(ex.submit(_process_chunk, units[pos : pos + chunk]))
+                pos += chunk
+            yield from pending.popleft().result()
+
+
+# --- the build -------------------------------------------------------------------------------
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N) with 0 <= I < N (0-based, like SLURM_ARRAY_TASK_ID)."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text or "")
+    if not m or not (0 <= int(m.group(1)) < int(m.group(2))):
+        raise ValueError(f"--part must be I/N with 0 <= I < N (0-based, e.g. 0/4 ... 3/4), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def shard_name(name: str, part: tuple[int, int], index: int) -> str:
+    return f"{name}-{index:06d}.tar" if part[1] == 1 else f"{name}-p{part[0]:04d}-{index:06d}.tar"
+
+
+def build(
+    sources: list[str],
+    out: str,
+    *,
+    name: str = "data",
+    workers: int = 1,
+    part: tuple[int, int] = (0, 1),
+    shard_max_docs: int = 10_000,
+    shard_max_bytes: int = 1 << 30,
+    dedup: bool = True,
+    ingest: IngestSettings | None = None,
+    standalone_referenced: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Build (or resume) a shard directory `out` from `sources`; return a summary dict with
+    documents, shards, rejects by code, duplicates, bytes, seconds and whether it resumed."""
+    ingest = ingest or IngestSettings()
+    if not _NAME_RE.match(name):
+        raise ValueError(f"--name must use letters, digits, '-' and '_' only, got {name!r}")
+    if shard_max_docs < 1 or shard_max_bytes < 64 * 1024:
+        raise ValueError("--shard-docs must be >= 1 and --shard-size >= 64 KiB")
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    t0 = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    settings = {
+        "sources": [os.path.normpath(s) for s in sources],
+        "name": name,
+        "part": list(part),
+        "shard_max_docs": shard_max_docs,
+        "shard_max_bytes": shard_max_bytes,
+        "dedup": dedup,
+        "standalone_referenced": standalone_referenced,
+        **ingest.to_dict(),
+    }
+    if overwrite:
+        _remove_outputs(out, name)
+    elif os.path.exists(os.path.join(out, MANIFEST)) and not os.path.exists(os.path.join(out, JOURNAL)):
+        man = read_manifest(out)
+        if man.get("settings") == settings:
+            log.info("%s is already complete (same settings); nothing to do", out)
+            return {"complete": True, "already": True, "documents": man["totals"]["documents"], "shards": len(man["shards"]), "seconds": 0.0}
+        raise ValueError(f"{out} already holds a finished build with different settings; choose another --out or pass --overwrite")
+
+    units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced)
+    if part[1] > 1:
+        units = [u for u in units if int(u.key, 16) % part[1] == part[0]]
+    header = {"journal": 1, "settings": settings, "units": len(units), "units_sha256": _units_digest(units)}
+    records = _open_journal(out, header)
+    start = records[-1]["span"][1] if records else 0
+    seen: dict[str, str] = {}
+    for rec in records:
+        seen.update(rec["fingerprints"])
+    for leftover in os.listdir(out):
+        if leftover.endswith(".tar.tmp"):
+            os.unlink(os.path.join(out, leftover))
+    shard_index = sum(1 for r in records if r["shard"])
+    if start:
+        log.info("resuming: %d shards done, continuing at input %d of %d", shard_index, start, len(units))
+
+    journal = open(os.path.join(out, JOURNAL), "a", encoding="utf-8")
+    state = _Span(start)
+    writer: DeterministicTarWriter | None = None
+    bar = _Progress(len(units) - start, enabled=progress)
+    try:
+        for i, res in enumerate(iter_results(units[start:], ingest, workers), start=start):
+            bar.update(res)
+            rejects = res["rejects"]
+            if res["doc"] is not None and dedup and res["fingerprint"] in seen:
+                rejects = rejects + [{"path": units[i].display, "code": "duplicate", "reason": f"exact duplicate of document {seen[res['fingerprint']]} (same normalized text and media bytes)", "action": "dropped-doc"}]
+                res["doc"] = None
+            if res["doc"] is not None:
+                doc_json = json.dumps(res["doc"], ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+                members = [("doc.json", doc_json), *res["members"]]
+                size = DeterministicTarWriter.sample_bytes(members)
+                if writer is not None and (len(writer.samples) >= shard_max_docs or final_size(writer.size + size) > shard_max_bytes):
+                    _close_shard(writer, out, journal, state, end=i)
+                    shard_index += 1
+                    writer, state = None, _Span(i)
+                if writer is None:
+                    fname = shard_name(name, part, shard_index)
+                    writer = DeterministicTarWriter(os.path.join(out, fname + ".tmp"))
+                    state.shard_name = fname
+                    if final_size(size) > shard_max_bytes:
+                        log.warning("%s: one document (%d bytes) is larger than --shard-size; it gets a shard of its own", units[i].display, size)
+                writer.add_sample(res["key"], members)
+                if dedup:
+                    seen[res["fingerprint"]] = res["key"]
+                    state.fingerprints[res["fingerprint"]] = res["key"]
+                state.add_stats(res)
+            state.rejects.extend(rejects)
+        if writer is not None:
+            _close_shard(writer, out, journal, state, end=len(units))
+        elif len(units) > state.start:  # trailing inputs that were all rejected
+            _append(journal, state.record(None, end=len(units)))
+    except BaseException:
+        if writer is not None:
+            writer.f.close()  # leave the .tmp: a rerun deletes it and redoes this shard
+        raise
+    finally:
+        journal.close()
+        bar.close()
+    return _finalize(out, header, settings, time.perf_counter() - t0, resumed=bool(start))
+
+
+class _Span:
+    """What one journal record covers: units [start, end), at most one shard."""
+
+    def __init__(self, start: int):
+        self.start = start
+        self.shard_name = ""
+        self.rejects: list[dict] = []
+        self.fingerprints: dict[str, str] = {}
+        self.segments = Counter()
+        self.media_bytes = Counter()
+
+    def add_stats(self, res: dict) -> None:
+        self.segments.update(res["stats"]["segments"])
+        self.media_bytes.update(res["stats"]["media_bytes"])
+
+    def record(self, shard: dict | None, *, end: int) -> dict:
+        return {
+            "span": [self.start, end],
+            "shard": shard,
+            "segments": dict(self.segments),
+            "media_bytes": dict(self.media_bytes),
+            "rejects": self.rejects,
+            "fingerprints": self.fingerprints,
+        }
+
+
+def _close_shard(writer: DeterministicTarWriter, out: str, journal, state: _Span, *, end: int) -> None:
+    size, sha = writer.finish()
+    final = os.path.join(out, state.shard_name)
+    os.replace(writer.path, final)
+    fsync_dir(out)
+    shard = {"name": state.shard_name, "num_samples": len(writer.samples), "bytes": size, "sha256": sha, "samples": writer.samples}
+    _append(journal, state.record(shard, end=end))
+
+
+def _append(journal, record: dict) -> None:
+    journal.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+    journal.flush()
+    os.fsync(journal.fileno())
+
+
+def _units_digest(units: list[Unit]) -> str:
+    h = hashlib.sha256()
+    for u in units:
+        h.update(f"{u.uid}\t{u.kind}\t{u.sidecar}\t{u.length}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def _open_journal(out: str, header: dict) -> list[dict]:
+    """Return the completed records of a matching journal (starting one if there is none).
+    A torn last line (kill -9 mid-write) is dropped."""
+    path = os.path.join(out, JOURNAL)
+    if not os.path.exists(path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(json.dumps(header, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    good, records = 0, []
+    try:
+        old = json.loads(lines[0])
+    except (json.JSONDecodeError, IndexError):
+        old = None
+    if old != header:
+        what = "settings" if not old or old.get("settings") != header["settings"] else "inputs (files added, removed or changed)"
+        raise ValueError(f"{out} holds an unfinished build with different {what}; rerun it with the original ones, pass --overwrite to start over, or use another --out")
+    good = len(lines[0]) + 1
+    for raw in lines[1:]:
+        try:
+            rec = json.loads(raw)
+        except json.JSONDecodeError:
+            break
+        records.append(rec)
+        good += len(raw) + 1
+    with open(path, "r+b") as f:  # cut a torn tail so later appends start on a clean line
+        f.truncate(good)
+    return records
+
+
+def _remove_outputs(out: str, name: str) -> None:
+    pat = re.compile(rf"^{re.escape(name)}-(p\d+-)?\d+\.tar(\.tmp)?$")
+    for f in os.listdir(out):
+        if pat.match(f) or f in (MANIFEST, REJECTS, JOURNAL, MANIFEST + ".tmp", REJECTS + ".tmp"):
+            os.unlink(os.path.join(out, f))
+
+
+def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed: bool) -> dict:
+    """Turn the journal into rejects.jsonl and manifest.json (atomically), then drop the journal."""
+    path = os.path.join(out, JOURNAL)
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f.read().splitlines()[1:] if line]
+    shards = [r["shard"] for r in records if r["shard"]]
+    segments, media, codes = Counter(), Counter(), Counter()
+    tmp = os.path.join(out, REJECTS + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            segments.update(r["segments"])
+            media.update(r["media_bytes"])
+            for rej in r["rejects"]:
+                codes[rej["code"]] += 1
+                f.write(json.dumps(rej, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out, REJECTS))
+    totals = {
+        "documents": sum(s["num_samples"] for s in shards),
+        "bytes": sum(s["bytes"] for s in shards),
+        "segments": {k: segments.get(k, 0) for k in ("text", "code", "image", "video")},
+        "media_bytes": {k: media.get(k, 0) for k in ("image", "video")},
+    }
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": settings["name"],
+        "shards": shards,
+        "totals": totals,
+        "rejects": {"total": sum(codes.values()), "by_code": dict(sorted(codes.items()))},
+        "settings": settings,
+    }
+    write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    os.unlink(path)
+    fsync_dir(out)
+    return {
+        "complete": True,
+        "already": False,
+        "resumed": resumed,
+        "units": header["units"],
+        "documents": totals["documents"],
+        "shards": len(shards),
+        "bytes": totals["bytes"],
+        "segments": totals["segments"],
+        "rejects": dict(sorted(codes.items())),
+        "seconds": seconds,
+    }
+
+
+class _Progress:
+    """tqdm bar over inputs with docs/s and MB/s in the postfix."""
+
+    def __init__(self, total: int, *, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="input", desc="build", file=sys.stderr, dynamic_ncols=True)
+        self.docs = 0
+        self.bytes = 0
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+
+    def update(self, res: dict) -> None:
+        if res["doc"] is not None:
+            self.docs += 1
+            self.bytes += sum(len(d) for _, d in res["members"])
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        now = time.perf_counter()
+        if now - self.last > 0.5:
+            self.last = now
+            el = max(1e-9, now - self.t0)
+            self.bar.set_postfix_str(f"{self.docs / el:.1f} docs/s, {self.bytes / el / 1e6:.2f} MB/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
