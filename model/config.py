@@ -1,6 +1,12 @@
 """Model configuration: one keyword-only dataclass per component (DESIGN 2.4, 3.2).
 
-First version written with the foundation; the model issue owns and extends it.
+    ModelConfig
+      attention: AttentionConfig   layer kinds (pattern), window, block selection, backend
+      moe: MoEConfig               routed + shared experts, routing, balancing, modality groups
+
+`validate()` checks the combinations a dataclass cannot express and raises ValueError with what
+to change; `OmniModel` calls it at construction. Parameter and FLOP accounting from the config
+alone lives in `omniloom.model.accounting`.
 """
 
 from __future__ import annotations
@@ -8,11 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+LAYER_KINDS = ("L", "G", "B")
+
 
 @dataclass(kw_only=True)
 class AttentionConfig:
     """Attention layers. `pattern` is a string of layer kinds, repeated to `num_layers`:
-    `L` sliding window, `G` global, `B` block top-k selection."""
+    `L` sliding window (keys within `window` tokens), `G` global (the whole document),
+    `B` block top-k selection: each query keeps its own key block, the first block of its
+    document, the blocks of its own visual block, and the best `num_selected_blocks - 1` earlier
+    blocks by pooled-key score (MoBA/NSA style). Every kind keeps documents apart, text causal
+    and visual blocks bidirectional.
+
+    backend: `sdpa` dense reference (any device), `blocksparse` gathers only the key blocks a
+    query block may see (any device; CPU training uses it), `flex` FlexAttention (CUDA only),
+    `flash` flash-attn varlen (CUDA + flash_attn installed; L/G layers on text-only batches,
+    other cases go through blocksparse)."""
 
     backend: Literal["sdpa", "blocksparse", "flex", "flash"] = "sdpa"
     pattern: str = "LLLG"
@@ -24,7 +41,15 @@ class AttentionConfig:
 
 @dataclass(kw_only=True)
 class MoEConfig:
-    """Mixture-of-Experts feed-forward layers (fine-grained routed experts + shared)."""
+    """Mixture-of-Experts feed-forward layers (fine-grained routed experts + shared).
+
+    The first `num_dense_layers` layers use a dense SwiGLU of width `dense_dim`; the others route
+    each token to `num_experts_per_token` of `num_experts` experts of width `expert_dim`, plus
+    `num_shared_experts` always-on experts of the same width. `num_experts: 0` makes every layer
+    dense. Balancing: a per-expert bias added to the scores only to choose the top-k, moved by
+    `bias_update_rate` after each optimizer step (`OmniModel.update_router_biases`).
+    `modality_groups`: text/code/special tokens route among the first experts, image/video
+    tokens among the last `num_visual_experts` (0: half of them)."""
 
     num_experts: int = 8
     num_experts_per_token: int = 2
@@ -37,15 +62,23 @@ class MoEConfig:
     aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
     modality_groups: bool = False
+    num_visual_experts: int = 0
+    dispatch: Literal["auto", "grouped", "loop"] = "auto"  # auto: grouped matmul where it works
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    """The decoder. `vocab_size` and `patch_token_id` come from tokenizer.json (pretrain/ fills
+    them); `rope_sections` splits the head dim between the (t, h, w) position axes (M-RoPE) and
+    sums to `dim // num_heads`. Image patches occupy the first `patch_dim` columns of the
+    PackedBatch `patches` rows, video tubelets the first `tubelet_dim`."""
+
     dim: int = 256
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
     vocab_size: int = 0  # 0: taken from tokenizer.json by pretrain/
+    patch_token_id: int = -1  # id of <|patch|>; -1: taken from tokenizer.json by pretrain/
     rope_base: float = 10000.0
     rope_sections: tuple[int, int, int] = (16, 24, 24)  # head-dim split (t, h, w); sums to head_dim
     patch_dim: int = 3 * 16 * 16
@@ -56,3 +89,67 @@ class ModelConfig:
     kernels: Literal["auto", "reference", "triton"] = "auto"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    def layer_kinds(self) -> list[str]:
+        """The attention kind of every layer: the pattern repeated to num_layers."""
+        pattern = self.attention.pattern
+        return [pattern[i % len(pattern)] for i in range(self.num_layers)]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe.num_experts > 0 and layer >= self.moe.num_dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def num_text_experts(self) -> int:
+        """Experts text/code/special tokens may use (all of them without modality groups)."""
+        moe = self.moe
+        if not moe.modality_groups:
+            return moe.num_experts
+        return moe.num_experts - (moe.num_visual_experts or moe.num_experts // 2)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the key to change when the combination cannot work."""
+        att, moe = self.attention, self.moe
+        if self.vocab_size <= 0:
+            raise ValueError("model.vocab_size is 0: set it from tokenizer.json (pretrain fills it) or pass model.vocab_size=N")
+        if self.num_heads <= 0 or self.dim % self.num_heads:
+            raise ValueError(f"model.dim={self.dim} must be a multiple of model.num_heads={self.num_heads}")
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2 or sum(self.rope_sections) != self.head_dim or any(s % 2 or s < 0 for s in self.rope_sections):
+            raise ValueError(
+                f"model.rope_sections={list(self.rope_sections)} must be even numbers summing to the head dim "
+                f"{self.head_dim} (= dim / num_heads), e.g. {_suggest_sections(self.head_dim)}"
+            )
+        if not att.pattern or set(att.pattern) - set(LAYER_KINDS):
+            raise ValueError(f"model.attention.pattern='{att.pattern}' may only use L (window), G (global), B (block top-k)")
+        if att.window < 1 or att.block_size < 1 or att.num_selected_blocks < 1:
+            raise ValueError("model.attention.window, block_size and num_selected_blocks must be >= 1")
+        if moe.num_experts < 0 or moe.num_dense_layers < 0:
+            raise ValueError("model.moe.num_experts and num_dense_layers must be >= 0")
+        if moe.num_experts:
+            if not 1 <= moe.num_experts_per_token <= moe.num_experts:
+                raise ValueError(f"model.moe.num_experts_per_token must be in 1..num_experts ({moe.num_experts})")
+            if moe.modality_groups:
+                n_vis = moe.num_visual_experts or moe.num_experts // 2
+                if min(n_vis, moe.num_experts - n_vis) < moe.num_experts_per_token:
+                    raise ValueError(
+                        "with model.moe.modality_groups each group needs >= num_experts_per_token experts: "
+                        "raise model.moe.num_experts or set model.moe.num_visual_experts"
+                    )
+            if moe.expert_dim < 1:
+                raise ValueError("model.moe.expert_dim must be >= 1")
+        if moe.num_dense_layers and moe.dense_dim < 1 or (moe.num_experts == 0 and moe.dense_dim < 1):
+            raise ValueError("model.moe.dense_dim must be >= 1 for dense layers")
+
+
+def _suggest_sections(head_dim: int) -> list[int]:
+    t = (head_dim // 4) // 2 * 2
+    h = ((head_dim - t) // 2) // 2 * 2
+    return [t, h, head_dim - t - h]

@@ -1,0 +1,86 @@
+"""Parameter counts and FLOPs per token from a ModelConfig alone (no module is built).
+
+`num_params(cfg)` equals `sum(p.numel() for p in OmniModel(cfg).parameters())` (a test checks it);
+router biases are buffers, not parameters. Active parameters drop the routed experts a token does
+not use. FLOPs per token count forward + backward (x3) of every matmul a token goes through and
+of attention according to each layer kind's sparsity (DESIGN 2.4).
+"""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+    hd = cfg.head_dim
+    n = cfg.dim * cfg.num_heads * hd * 2 + cfg.dim * cfg.num_kv_heads * hd * 2  # wq, wo, wk, wv
+    if cfg.attention.qk_norm:
+        n += 2 * hd
+    return n + cfg.dim  # pre-attention norm
+
+
+def _ffn_params(cfg: ModelConfig, layer: int, *, active: bool) -> int:
+    d, moe = cfg.dim, cfg.moe
+    n = d  # pre-FFN norm
+    if not cfg.is_moe_layer(layer):
+        return n + 3 * d * moe.dense_dim
+    routed = moe.num_experts_per_token if active else moe.num_experts
+    n += moe.num_experts * d  # router (every token scores every expert)
+    n += routed * 3 * d * moe.expert_dim
+    n += 3 * d * moe.expert_dim * moe.num_shared_experts
+    return n
+
+
+def _embedding_params(cfg: ModelConfig) -> int:
+    # token embedding, untied output head, image patch and video tubelet embeddings
+    return 2 * cfg.vocab_size * cfg.dim + (cfg.patch_dim + cfg.tubelet_dim) * cfg.dim
+
+
+def num_params(cfg: ModelConfig) -> int:
+    """Total trainable parameters."""
+    n = _embedding_params(cfg) + cfg.dim  # final norm
+    for layer in range(cfg.num_layers):
+        n += _attention_params(cfg) + _ffn_params(cfg, layer, active=False)
+    return n
+
+
+def num_active_params(cfg: ModelConfig) -> int:
+    """Parameters one text token uses: everything except the routed experts it is not sent to
+    (and the patch/tubelet embeddings, which only visual tokens use)."""
+    n = 2 * cfg.vocab_size * cfg.dim + cfg.dim
+    for layer in range(cfg.num_layers):
+        n += _attention_params(cfg) + _ffn_params(cfg, layer, active=True)
+    return n
+
+
+def mean_keys_per_query(cfg: ModelConfig, kind: str, seq_len: int) -> float:
+    """Average number of keys a causal query attends in a layer of `kind` over a seq_len document."""
+    att = cfg.attention
+    span = {"G": seq_len, "L": att.window, "B": att.num_selected_blocks * att.block_size}[kind]
+    span = min(span, seq_len)
+    # query i sees min(i + 1, span) keys; average over i in [0, seq_len)
+    return (span * (span + 1) / 2 + (seq_len - span) * span) / seq_len
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), for documents of seq_len tokens:
+    6 x active matmul parameters (embedding lookup excluded, output head included) plus attention
+    12 x heads x head_dim x mean keys per query per layer, plus the B layers' block scoring."""
+    matmul = num_active_params(cfg) - cfg.vocab_size * cfg.dim  # the embedding is a lookup
+    flops = 6.0 * matmul
+    hq, hd = cfg.num_heads, cfg.head_dim
+    for kind in cfg.layer_kinds():
+        flops += 12.0 * hq * hd * mean_keys_per_query(cfg, kind, seq_len)
+        if kind == "B":  # query x pooled keys of the earlier blocks, forward only (no gradient)
+            flops += 2.0 * hq * hd * (seq_len / cfg.attention.block_size) / 2
+    return flops
+
+
+def summary(cfg: ModelConfig, seq_len: int = 4096) -> dict[str, float]:
+    """The figures a preset is described by."""
+    return {
+        "params": num_params(cfg),
+        "active_params": num_active_params(cfg),
+        "non_embedding_active_params": num_active_params(cfg) - 2 * cfg.vocab_size * cfg.dim,
+        "flops_per_token": flops_per_token(cfg, seq_len),
+    }

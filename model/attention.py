@@ -1,0 +1,221 @@
+"""Attention: the layer (QK-norm, GQA, M-RoPE) and four backends behind one mask rule (masks.py).
+
+Legend: B batch, S sequence, Sp padded to the block size bs, H query heads, K kv heads,
+G = H / K, D head dim, Q query blocks, N gathered key-block slots per query block.
+
+Backends (chosen once at construction by `check_backend`, DESIGN 3.3):
+- sdpa: dense boolean mask through scaled_dot_product_attention; the reference.
+- blocksparse: gathers for each query block only the key blocks it may see and runs a masked
+  softmax over them, in plain PyTorch with autograd: cost grows with the window, not the sequence.
+- flex: FlexAttention with a BlockMask built from the same rule (CUDA only).
+- flash: flash_attn_varlen_func with a window for L/G layers on text-only batches; B layers and
+  batches with visual blocks (bidirectional spans flash cannot express) go through blocksparse.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .masks import MaskInfo, block_ranges, dense_mask, select_blocks, selected_block_slots, token_mask
+
+log = logging.getLogger(__name__)
+BACKENDS = ("sdpa", "blocksparse", "flex", "flash")
+
+
+def check_backend(name: str) -> None:
+    """Raise ValueError when `name` cannot run here, saying what to choose instead."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend '{name}'; choose one of {', '.join(BACKENDS)}")
+    if name in ("flex", "flash") and not torch.cuda.is_available():
+        raise ValueError(
+            f"model.attention.backend={name} needs CUDA (no CPU backward); choose blocksparse (CPU training) or sdpa"
+        )
+    if name == "flash" and importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("model.attention.backend=flash needs flash-attn (pip install flash-attn); choose flex or blocksparse")
+
+
+def gathered_attention(
+    q_BHSD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    v_BKSD: torch.Tensor,
+    info: MaskInfo,
+    kind: str,
+    kv_idx: torch.Tensor,
+    valid: torch.Tensor,
+    sel_BKSn: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Blocksparse core: attention of each query block over its gathered key blocks.
+
+    kv_idx/valid: [B, 1 or K, Q, N] key-block slots (masks.block_ranges / selected_block_slots).
+    Returns [B, H, S, D]. Memory and time scale with Q * N * bs^2, not S^2."""
+    B, H, S, D = q_BHSD.shape
+    K = k_BKSD.shape[1]
+    G, bs, Sp = H // K, info.block_size, info.padded_len
+    Q, N = Sp // bs, kv_idx.shape[-1]
+    Ki = kv_idx.shape[1]
+    pad = Sp - S
+    q = F.pad(q_BHSD, (0, 0, 0, pad)).reshape(B, K, G, Q, bs, D)
+    k = F.pad(k_BKSD, (0, 0, 0, pad)).reshape(B, K, Q, bs * D)
+    v = F.pad(v_BKSD, (0, 0, 0, pad)).reshape(B, K, Q, bs * D)
+    gidx = kv_idx.expand(B, K, Q, N).reshape(B, K, Q * N, 1).expand(B, K, Q * N, bs * D)
+    kg = k.gather(2, gidx).view(B, K, Q, N * bs, D)
+    vg = v.gather(2, gidx).view(B, K, Q, N * bs, D)
+
+    # token-level rule on the gathered keys
+    tok_j = (kv_idx.unsqueeze(-1) * bs + torch.arange(bs, device=kv_idx.device)).view(B, Ki, Q, N * bs)
+    flat = tok_j.reshape(B, Ki, -1)
+    doc_k = info.doc_BS.unsqueeze(1).expand(B, Ki, Sp).gather(2, flat).view(B, Ki, Q, 1, N * bs)
+    vis_k = info.vis_BS.unsqueeze(1).expand(B, Ki, Sp).gather(2, flat).view(B, Ki, Q, 1, N * bs)
+    idx_q = torch.arange(Sp, device=q.device).view(1, 1, Q, bs, 1)
+    doc_q = info.doc_BS.view(B, 1, Q, bs, 1)
+    vis_q = info.vis_BS.view(B, 1, Q, bs, 1)
+    mask = token_mask(doc_q, vis_q, idx_q, doc_k, vis_k, tok_j.unsqueeze(3), kind, info.window)
+    mask = mask & valid.repeat_interleave(bs, dim=-1).unsqueeze(3)
+    if sel_BKSn is not None:
+        nb = sel_BKSn.shape[-1]
+        sel_q = sel_BKSn.view(B, K, Q, bs, nb).gather(4, kv_idx.expand(B, K, Q, N).unsqueeze(3).expand(B, K, Q, bs, N))
+        mask = mask & sel_q.repeat_interleave(bs, dim=-1)
+    scores = torch.einsum("bkgqid,bkqjd->bkgqij", q, kg) * (1.0 / math.sqrt(D))
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vg.dtype)
+    out = torch.einsum("bkgqij,bkqjd->bkgqid", probs, vg)
+    return out.reshape(B, H, Sp, D)[:, :, :S]
+
+
+_FLEX_COMPILED = None
+
+
+def _flex_attention():
+    global _FLEX_COMPILED
+    if _FLEX_COMPILED is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # eager flex_attention materializes scores; compiled it is the fused kernel
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+class AttnContext:
+    """The mask description of one forward, shared by every layer of the same kind: dense masks,
+    gathered-block slots or flex BlockMasks are built on first use and reused. B layers build
+    their selection per layer (it depends on that layer's queries and keys)."""
+
+    def __init__(self, info: MaskInfo, backend: str, num_selected_blocks: int, device: torch.device):
+        if backend in ("flex", "flash") and device.type != "cuda":
+            raise ValueError(f"attention backend '{backend}' runs on CUDA only; move the model to a GPU or choose blocksparse")
+        self.info, self.backend, self.num_selected = info, backend, num_selected_blocks
+        self.cache: dict[str, object] = {}
+        if backend == "flash" and info.has_visual:
+            log.debug("flash cannot express bidirectional visual blocks: this batch uses blocksparse")
+
+    def _cached(self, key: str, build):
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
+
+    def attend(self, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, kind: str) -> torch.Tensor:
+        """Attention output [B, H, S, D] for one layer of `kind` (L, G or B)."""
+        info, backend = self.info, self.backend
+        sel = select_blocks(info, q_BHSD, k_BKSD, self.num_selected) if kind == "B" else None
+        if backend == "flash" and (kind == "B" or info.has_visual):
+            backend = "blocksparse"
+        if backend == "sdpa":
+            mask = dense_mask(info, kind, sel) if sel is not None else self._cached(f"dense{kind}", lambda: dense_mask(info, kind))
+            return self._sdpa(q_BHSD, k_BKSD, v_BKSD, mask)
+        if backend == "blocksparse":
+            if sel is not None:
+                kv_idx, valid = selected_block_slots(info, sel)
+            else:
+                kv_idx, valid = self._cached(f"ranges{kind}", lambda: block_ranges(info, kind))
+            return gathered_attention(q_BHSD, k_BKSD, v_BKSD, info, kind, kv_idx, valid, sel)
+        if backend == "flex":
+            return self._flex(q_BHSD, k_BKSD, v_BKSD, kind, sel)
+        return self._flash(q_BHSD, k_BKSD, v_BKSD, kind)
+
+    @staticmethod
+    def _sdpa(q, k, v, mask_BKSS):
+        G = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        if mask_BKSS.shape[1] > 1:
+            mask_BKSS = mask_BKSS.repeat_interleave(G, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BKSS)
+
+    def _flex(self, q, k, v, kind, sel):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        info = self.info
+        B, H, S, _ = q.shape
+        G, bs, window = H // k.shape[1], info.block_size, info.window
+        doc, vis = info.doc_BS, info.vis_BS
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            vq = vis[b, q_idx]
+            m = (doc[b, q_idx] == doc[b, kv_idx]) & ((kv_idx <= q_idx) | ((vq >= 0) & (vq == vis[b, kv_idx])))
+            if kind == "L":
+                m = m & (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
+            if sel is not None:
+                m = m & sel[b, h // G, q_idx, kv_idx // bs]
+            return m
+
+        def build():
+            return create_block_mask(mask_mod, B, H if sel is not None else None, S, S, device=q.device)
+
+        block_mask = build() if sel is not None else self._cached(f"flex{kind}", build)
+        return _flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    def _flash(self, q, k, v, kind):
+        from flash_attn import flash_attn_varlen_func
+
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError("attention backend 'flash' needs bf16/fp16 activations (train with mixed precision) or choose flex")
+        info = self.info
+        B, H, S, D = q.shape
+
+        def build():
+            doc = info.doc_BS[:, :S]
+            change = torch.ones_like(doc, dtype=torch.bool)
+            change[:, 1:] = doc[:, 1:] != doc[:, :-1]
+            starts = change.flatten().nonzero().flatten()
+            cu = torch.cat([starts, starts.new_tensor([B * S])]).to(torch.int32)
+            return cu, int((cu[1:] - cu[:-1]).max())
+
+        cu, max_len = self._cached("flash_cu", build)
+        window = (info.window - 1, 0) if kind == "L" else (-1, -1)
+        flat = lambda t: t.transpose(1, 2).reshape(B * S, t.shape[1], D)  # noqa: E731
+        out = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, causal=True, window_size=window)
+        return out.view(B, S, H, D).transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """One attention layer: projections without bias, QK-norm (RMSNorm per head), M-RoPE, GQA."""
+
+    def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, kind: str, qk_norm: bool, norm_eps: float, ops):
+        super().__init__()
+        self.kind, self.ops, self.eps = kind, ops, norm_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
+        self.wq = nn.Linear(dim, num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(num_heads * self.head_dim, dim, bias=False)
+        self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
+
+    def forward(self, x_BSD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q = self.wq(x_BSD).view(B, S, self.num_heads, self.head_dim)
+        k = self.wk(x_BSD).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.wv(x_BSD).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            # QK-norm bounds attention logits: the main fix for multimodal logit growth (Chameleon)
+            q = self.ops.rms_norm(q, self.q_norm, self.eps)
+            k = self.ops.rms_norm(k, self.k_norm, self.eps)
+        q = self.ops.apply_rope(q, cos_BSd, sin_BSd)
+        k = self.ops.apply_rope(k, cos_BSd, sin_BSd)
+        out_BHSD = ctx.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kind)
+        return self.wo(out_BHSD.transpose(1, 2).reshape(B, S, -1))

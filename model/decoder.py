@@ -1,0 +1,200 @@
+"""OmniModel: the decoder-only sparse-attention MoE over the unified token stream (DESIGN 2.4).
+
+Legend: B batch, S sequence, D width, V vocab, T = B*S tokens, P patch positions, E experts,
+M = 5 modalities, L_moe MoE layers.
+
+    x = embed(tokens, patches)                              # patches replace <|patch|> embeddings
+    for each layer: x += attn(rmsnorm(x)); x += ffn(rmsnorm(x))   # ffn: dense SwiGLU or MoE
+    loss = CE(head(rmsnorm(x)) in fp32) + z-loss (+ aux, router z)
+
+The model runs on one device; sharding, compile and activation checkpointing are applied from
+outside to `model.layers` (DESIGN 3.1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from omniloom.kernels.ops import get_ops
+
+from . import accounting
+from .attention import AttnContext, Attention, check_backend
+from .config import ModelConfig
+from .embeddings import MultimodalEmbedding, mrope_angles
+from .masks import build_mask_info
+from .moe import NUM_MODALITIES, MoE, SwiGLUMLP
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelOutput:
+    """What one forward returns. Loss terms are the values added to `loss` (coefficients applied);
+    the per-modality sums, counts, expert counts and output RMS are detached, for logging (sum
+    them across ranks before dividing). The modality of a loss term is that of the target token."""
+
+    loss: torch.Tensor  # scalar: ce_loss + z_loss + aux_loss + router_z_loss
+    ce_loss: torch.Tensor  # mean CE over tokens with a label
+    z_loss: torch.Tensor  # z_loss_coef * mean logsumexp^2
+    aux_loss: torch.Tensor  # aux_loss_coef * mean over MoE layers (0 when off)
+    router_z_loss: torch.Tensor  # router_z_loss_coef * mean over MoE layers (0 when off)
+    ce_sum_by_modality: torch.Tensor  # [5] fp32 CE summed per target modality
+    tokens_by_modality: torch.Tensor  # [5] int64 tokens with a label per target modality
+    expert_counts: torch.Tensor  # [L_moe, 5, E] int64 routed tokens per layer, modality, expert
+    output_rms: torch.Tensor  # scalar RMS of the last layer's output (before the final norm)
+    logits: torch.Tensor | None = None  # [B, S, V] fp32 when return_logits
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention of one kind, then a dense or MoE feed-forward."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, kind: str, ops):
+        super().__init__()
+        self.ops, self.eps = ops, cfg.norm_eps
+        self.attn_norm = nn.Parameter(torch.ones(cfg.dim))
+        self.attn = Attention(
+            dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, kind=kind,
+            qk_norm=cfg.attention.qk_norm, norm_eps=cfg.norm_eps, ops=ops,
+        )
+        self.ffn_norm = nn.Parameter(torch.ones(cfg.dim))
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.ffn = MoE(cfg, ops) if self.is_moe else SwiGLUMLP(cfg.dim, cfg.moe.dense_dim, ops)
+
+    def forward(self, x_BSD, cos_BSd, sin_BSd, ctx: AttnContext, modality_BS):
+        x_BSD = x_BSD + self.attn(self.ops.rms_norm(x_BSD, self.attn_norm, self.eps), cos_BSd, sin_BSd, ctx)
+        h = self.ops.rms_norm(x_BSD, self.ffn_norm, self.eps)
+        if self.is_moe:
+            y, stats = self.ffn(h, modality_BS)
+            return x_BSD + y, stats
+        return x_BSD + self.ffn(h), None
+
+
+class OmniModel(nn.Module):
+    """The sparse-attention MoE decoder. Takes PackedBatch fields as plain tensors."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        cfg.validate()
+        check_backend(cfg.attention.backend)
+        self.cfg = cfg
+        self.ops = get_ops(cfg.kernels)
+        self.embed = MultimodalEmbedding(
+            vocab_size=cfg.vocab_size, dim=cfg.dim, patch_dim=cfg.patch_dim,
+            tubelet_dim=cfg.tubelet_dim, patch_token_id=cfg.patch_token_id,
+        )
+        self.layers = nn.ModuleList(Block(cfg, i, kind, self.ops) for i, kind in enumerate(cfg.layer_kinds()))
+        self.norm = nn.Parameter(torch.ones(cfg.dim))
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) everywhere, output projections (attention wo, MLP and expert w_down)
+        scaled by 1/sqrt(2 * num_layers) so the residual stream's variance does not grow with
+        depth; norms at 1, balancing biases at 0."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)  # RMSNorm and QK-norm weights
+            elif name.endswith("wo.weight") or "w_down" in name:
+                nn.init.normal_(p, std=out_std)
+            else:
+                nn.init.normal_(p, std=std)
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.ffn.router_bias.zero_()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        positions: torch.Tensor,
+        doc_ids: torch.Tensor,
+        block_ids: torch.Tensor,
+        modality: torch.Tensor,
+        patches: torch.Tensor,
+        patch_kind: torch.Tensor,
+        *,
+        return_logits: bool = False,
+    ) -> ModelOutput:
+        """Loss and metrics for one PackedBatch (fields as in DESIGN 2.3)."""
+        cfg = self.cfg
+        B, S = input_ids.shape
+        for name, t in (("labels", labels), ("doc_ids", doc_ids), ("block_ids", block_ids), ("modality", modality)):
+            if tuple(t.shape) != (B, S):
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {(B, S)} like input_ids")
+        if tuple(positions.shape) != (B, 3, S):
+            raise ValueError(f"positions has shape {tuple(positions.shape)}, expected {(B, 3, S)}")
+        x_BSD = self.embed(input_ids, patches, patch_kind)
+        cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
+        info = build_mask_info(doc_ids, block_ids, block_size=cfg.attention.block_size, window=cfg.attention.window)
+        ctx = AttnContext(info, cfg.attention.backend, cfg.attention.num_selected_blocks, x_BSD.device)
+        moe_stats = []
+        for layer in self.layers:
+            x_BSD, stats = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality)
+            if stats is not None:
+                moe_stats.append(stats)
+        output_rms = x_BSD.detach().float().pow(2).mean().sqrt()
+        h_TD = self.ops.rms_norm(x_BSD, self.norm, cfg.norm_eps).reshape(B * S, -1)
+        labels_T = labels.reshape(-1)
+        # head and loss in fp32 inside the kernel; [T, V] logits are never held whole
+        ce_T, zsq_T = self.ops.linear_cross_entropy(h_TD, self.head.weight, labels_T, ignore_index=IGNORE_INDEX)
+        valid_T = labels_T != IGNORE_INDEX
+        n_valid = valid_T.sum().clamp(min=1)
+        ce_loss = ce_T.sum() / n_valid
+        z_loss = cfg.z_loss_coef * zsq_T.sum() / n_valid
+        zero = ce_loss.new_zeros(())
+        aux = sum((s["aux_loss"] for s in moe_stats if "aux_loss" in s), zero)
+        rz = sum((s["router_z_loss"] for s in moe_stats if "router_z_loss" in s), zero)
+        n_moe = max(len(moe_stats), 1)
+        aux_loss = cfg.moe.aux_loss_coef * aux / n_moe
+        router_z_loss = cfg.moe.router_z_loss_coef * rz / n_moe
+        loss = ce_loss + z_loss + aux_loss + router_z_loss
+
+        # the modality of a loss term is the target's: token i predicts token i + 1
+        target_mod_T = torch.roll(modality, -1, dims=1).reshape(-1).long()
+        mod_valid = target_mod_T[valid_T]
+        ce_by_mod = torch.zeros(NUM_MODALITIES, dtype=torch.float32, device=ce_T.device)
+        ce_by_mod = ce_by_mod.index_add(0, mod_valid, ce_T.detach()[valid_T].float())
+        tokens_by_mod = torch.bincount(mod_valid, minlength=NUM_MODALITIES)
+        E = max(cfg.moe.num_experts, 1)
+        expert_counts = (
+            torch.stack([s["counts_ME"] for s in moe_stats])
+            if moe_stats
+            else torch.zeros(0, NUM_MODALITIES, E, dtype=torch.int64, device=ce_T.device)
+        )
+        logits = None
+        if return_logits:
+            logits = (h_TD.float() @ self.head.weight.float().t()).view(B, S, -1)
+        return ModelOutput(
+            loss=loss, ce_loss=ce_loss, z_loss=z_loss, aux_loss=aux_loss, router_z_loss=router_z_loss,
+            ce_sum_by_modality=ce_by_mod, tokens_by_modality=tokens_by_mod, expert_counts=expert_counts,
+            output_rms=output_rms, logits=logits,
+        )
+
+    @torch.no_grad()
+    def update_router_biases(self, expert_counts: torch.Tensor) -> None:
+        """Move every MoE layer's balancing bias toward even load; call after each optimizer step
+        with ModelOutput.expert_counts [L_moe, 5, E] (summed over micro-batches and ranks)."""
+        moe_layers = [layer.ffn for layer in self.layers if layer.is_moe]
+        if expert_counts.shape[0] != len(moe_layers):
+            raise ValueError(f"expert_counts has {expert_counts.shape[0]} layers, the model has {len(moe_layers)} MoE layers")
+        for moe, counts_ME in zip(moe_layers, expert_counts):
+            moe.update_bias(counts_ME.sum(0))
+
+    def num_params(self) -> int:
+        """Total parameters, from the config (equals sum of numel)."""
+        return accounting.num_params(self.cfg)
+
+    def num_active_params(self) -> int:
+        """Parameters one text token uses, from the config."""
+        return accounting.num_active_params(self.cfg)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), from the config."""
+        return accounting.flops_per_token(self.cfg, seq_len)

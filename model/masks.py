@@ -1,0 +1,193 @@
+"""One mask description for every attention backend, built once per forward from PackedBatch fields.
+
+Legend: B batch, S sequence, Sp S padded to a multiple of the block size bs, H query heads,
+K kv heads, G = H / K, D head dim, Q = Sp / bs query blocks, nb = Sp / bs key blocks,
+N key-block slots gathered per query block.
+
+The rule, for query i and key j of one row (every backend enforces exactly this):
+
+    allowed(i, j) = doc[i] == doc[j]
+                    and (j <= i  or  (vis[i] >= 0 and vis[i] == vis[j]))   # text causal, a visual block bidirectional
+                    and kind rule:  L: |i - j| < window
+                                    G: nothing more
+                                    B: key block j // bs is selected for query i (see `select_blocks`)
+
+The diagonal is always allowed, so no row is empty (padding tokens included). Nothing here
+depends on a query's absolute position beyond `idx`, so a KV-cache decoder can evaluate the same
+rule with an offset and keep only `window` keys for L layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_DOC = -(2**40)  # doc id of internal padding tokens: equal to no real document
+
+
+@dataclass
+class MaskInfo:
+    """Per-token facts the rule needs, padded to Sp (a multiple of block_size)."""
+
+    doc_BS: torch.Tensor  # int64 document id
+    vis_BS: torch.Tensor  # int64 visual block id, -1 for text
+    doc_start_BS: torch.Tensor  # int64 index of the first token of the token's document
+    vis_start_BS: torch.Tensor  # int64 [start, end) of the token's visual block; (i, i+1) for text
+    vis_end_BS: torch.Tensor
+    seq_len: int  # S, unpadded
+    block_size: int
+    window: int
+
+    @property
+    def padded_len(self) -> int:
+        return self.doc_BS.shape[1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.padded_len // self.block_size
+
+    @property
+    def has_visual(self) -> bool:
+        return bool((self.vis_BS >= 0).any())
+
+
+def _run_starts(change_BS: torch.Tensor) -> torch.Tensor:
+    """Index of the first token of each token's run, where change_BS marks run starts."""
+    idx_S = torch.arange(change_BS.shape[1], device=change_BS.device)
+    return torch.where(change_BS, idx_S, torch.zeros_like(idx_S)).cummax(dim=1).values
+
+
+def build_mask_info(doc_ids_BS: torch.Tensor, block_ids_BS: torch.Tensor, *, block_size: int, window: int) -> MaskInfo:
+    """Describe a batch's attention structure (documents, visual blocks) for every layer kind."""
+    if doc_ids_BS.shape != block_ids_BS.shape or doc_ids_BS.dim() != 2:
+        raise ValueError(f"doc_ids {tuple(doc_ids_BS.shape)} and block_ids {tuple(block_ids_BS.shape)} must both be [B, S]")
+    B, S = doc_ids_BS.shape
+    Sp = -(-S // block_size) * block_size
+    doc = torch.full((B, Sp), PAD_DOC, dtype=torch.int64, device=doc_ids_BS.device)
+    vis = torch.full((B, Sp), -1, dtype=torch.int64, device=doc_ids_BS.device)
+    doc[:, :S] = doc_ids_BS
+    vis[:, :S] = block_ids_BS
+    vis = torch.where(vis >= 0, vis, torch.full_like(vis, -1))
+    first = torch.zeros_like(doc, dtype=torch.bool)
+    first[:, 0] = True
+    doc_change = first.clone()
+    doc_change[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    run_change = doc_change.clone()
+    run_change[:, 1:] |= vis[:, 1:] != vis[:, :-1]
+    idx = torch.arange(Sp, device=doc.device).expand(B, Sp)
+    doc_start = _run_starts(doc_change)
+    run_start = _run_starts(run_change)
+    # run ends: the same scan from the right
+    run_last = torch.zeros_like(run_change)
+    run_last[:, :-1] = run_change[:, 1:]
+    run_last[:, -1] = True
+    # flipped, a run's last token is its first: p = Sp-1-e, so the exclusive end is Sp - p
+    rev_start = torch.where(run_last.flip(1), idx, torch.zeros_like(idx)).cummax(dim=1).values
+    run_end = Sp - rev_start.flip(1)
+    is_vis = vis >= 0
+    return MaskInfo(
+        doc_BS=doc,
+        vis_BS=vis,
+        doc_start_BS=doc_start,
+        vis_start_BS=torch.where(is_vis, run_start, idx),
+        vis_end_BS=torch.where(is_vis, run_end, idx + 1),
+        seq_len=S,
+        block_size=block_size,
+        window=window,
+    )
+
+
+def token_mask(doc_q, vis_q, idx_q, doc_k, vis_k, idx_k, kind: str, window: int) -> torch.Tensor:
+    """The rule above on broadcastable tensors (without B's block selection)."""
+    m = (doc_q == doc_k) & ((idx_k <= idx_q) | ((vis_q >= 0) & (vis_q == vis_k)))
+    if kind == "L":
+        m = m & ((idx_q - idx_k).abs() < window)
+    return m
+
+
+def dense_mask(info: MaskInfo, kind: str, sel_BKSn: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [B, 1, S, S] mask (or [B, K, S, S] with a B layer's selection) for sdpa."""
+    S = info.seq_len
+    doc, vis = info.doc_BS[:, :S], info.vis_BS[:, :S]
+    idx = torch.arange(S, device=doc.device)
+    m = token_mask(doc[:, :, None], vis[:, :, None], idx[:, None], doc[:, None, :], vis[:, None, :], idx[None, :], kind, info.window)
+    m = m.unsqueeze(1)
+    if sel_BKSn is not None:
+        m = m & sel_BKSn[:, :, :S, :].index_select(-1, idx // info.block_size)
+    return m
+
+
+def block_ranges(info: MaskInfo, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key-block slots for L and G layers: every query block gets the contiguous run of key blocks
+    that any of its tokens may see (its documents' past within the window, plus its visual blocks'
+    future). Returns (kv_idx [B, 1, Q, N] long, valid [B, 1, Q, N] bool), N = the longest run."""
+    bs, Sp = info.block_size, info.padded_len
+    B = info.doc_BS.shape[0]
+    idx = torch.arange(Sp, device=info.doc_BS.device).expand(B, Sp)
+    lo, hi = info.doc_start_BS, torch.maximum(idx, info.vis_end_BS - 1)
+    if kind == "L":
+        lo = torch.maximum(lo, idx - info.window + 1)
+        hi = torch.minimum(hi, idx + info.window - 1)
+    lo_Q = lo.view(B, -1, bs).min(-1).values // bs
+    hi_Q = hi.view(B, -1, bs).max(-1).values // bs
+    n = int((hi_Q - lo_Q).max()) + 1
+    kv_idx = lo_Q.unsqueeze(-1) + torch.arange(n, device=lo.device)
+    valid = kv_idx <= hi_Q.unsqueeze(-1)
+    return kv_idx.clamp(max=info.num_blocks - 1).unsqueeze(1), valid.unsqueeze(1)
+
+
+@torch.no_grad()
+def select_blocks(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, num_selected: int) -> torch.Tensor:
+    """A B layer's key-block choice per query token and kv head: [B, K, Sp, nb] bool.
+
+    Forced: the query's own block, the first block of its document (an attention sink) and the
+    blocks of its visual block. Chosen by score: the best `num_selected - 1` earlier blocks lying
+    wholly inside the query's document, scored by (summed group queries) . (mean block key). The
+    scoring query is that of the first token of the query's (block, document) run, so the choice
+    depends only on the past of every query that uses it (text stays causal) and never on
+    another document; all tokens of one run share one choice, which keeps the blocks a query block
+    gathers few. No gradient flows through the choice (MoBA style)."""
+    bs, Sp, nb = info.block_size, info.padded_len, info.num_blocks
+    B, H, S, D = q_BHSD.shape
+    K = k_BKSD.shape[1]
+    dev = q_BHSD.device
+    q = torch.zeros(B, K, Sp, D, dtype=torch.float32, device=dev)
+    q[:, :, :S] = q_BHSD.float().view(B, K, H // K, S, D).sum(2)
+    k = torch.zeros(B, K, Sp, D, dtype=torch.float32, device=dev)
+    k[:, :, :S] = k_BKSD.float()
+    kmean_BKnD = k.view(B, K, nb, bs, D).mean(3)
+    idx = torch.arange(Sp, device=dev)
+    qb_S = idx // bs
+    doc = info.doc_BS
+    rep_BS = torch.maximum(qb_S * bs, info.doc_start_BS)
+    q_rep = q.gather(2, rep_BS[:, None, :, None].expand(B, K, Sp, D))
+    kb = torch.arange(nb, device=dev)
+    doc_blocks = doc.view(B, nb, bs)
+    block_doc_Bn = torch.where((doc_blocks == doc_blocks[:, :, :1]).all(-1), doc_blocks[:, :, 0], torch.full_like(doc_blocks[:, :, 0], PAD_DOC))
+    cand_BSn = (kb[None, None, :] < qb_S[None, :, None]) & (block_doc_Bn[:, None, :] == doc[:, :, None]) & (doc[:, :, None] != PAD_DOC)
+    forced_BSn = (kb == qb_S[:, None]) | (kb[None, None, :] == (info.doc_start_BS // bs)[:, :, None])
+    forced_BSn |= (kb >= (info.vis_start_BS // bs)[:, :, None]) & (kb <= ((info.vis_end_BS - 1) // bs)[:, :, None])
+    sel = forced_BSn.unsqueeze(1).expand(B, K, Sp, nb).clone()
+    n_pick = min(num_selected - 1, nb)
+    if n_pick > 0:
+        scores = q_rep @ kmean_BKnD.transpose(-1, -2)  # [B, K, Sp, nb]
+        scores = scores.masked_fill(~cand_BSn.unsqueeze(1), float("-inf"))
+        top = scores.topk(n_pick, dim=-1).indices
+        hit = torch.zeros_like(sel).scatter_(-1, top, True)
+        sel |= hit & cand_BSn.unsqueeze(1)
+    return sel
+
+
+def selected_block_slots(info: MaskInfo, sel_BKSn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key-block slots for a B layer: the union of its tokens' choices per query block,
+    (kv_idx [B, K, Q, N], valid [B, K, Q, N]), in ascending block order."""
+    B, K, Sp, nb = sel_BKSn.shape
+    bs = info.block_size
+    any_BKQn = sel_BKSn.view(B, K, Sp // bs, bs, nb).any(3)
+    counts = any_BKQn.sum(-1)
+    n = int(counts.max())
+    # stable sort puts the selected blocks first, in ascending order
+    order = torch.argsort((~any_BKQn).to(torch.int8), dim=-1, stable=True)[..., :n]
+    valid = torch.arange(n, device=sel_BKSn.device) < counts.unsqueeze(-1)
+    return order, valid

@@ -1,0 +1,198 @@
+"""Feed-forward layers: a dense SwiGLU MLP and a dropless Mixture-of-Experts (DESIGN 2.4).
+
+Legend: T tokens (B*S), D width, F expert width, E routed experts, K experts per token,
+N = T*K routed rows, M = 5 modalities.
+
+MoE: router in fp32 -> scores (sigmoid or softmax) -> top-K of (scores + balancing bias), the bias
+choosing experts only (gate weights come from the unbiased scores) -> sort rows by expert
+(kernels moe_permute) -> one grouped matmul per projection (or a loop over experts) -> weighted
+scatter back (moe_unpermute) + shared experts. No token is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+log = logging.getLogger(__name__)
+NUM_MODALITIES = 5
+VISUAL_MODALITIES = (2, 3)
+
+
+class SwiGLUMLP(nn.Module):
+    """silu(x W_gate) * (x W_up) W_down, no biases."""
+
+    def __init__(self, dim: int, hidden: int, ops):
+        super().__init__()
+        self.ops = ops
+        self.w_gate = nn.Linear(dim, hidden, bias=False)
+        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(self.ops.swiglu(self.w_gate(x), self.w_up(x)))
+
+
+def _grouped_mm_fn():
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_supported(device: torch.device, in_dim: int, out_dims: tuple[int, ...]) -> bool:
+    """Whether torch's grouped matmul serves these shapes on `device`: it exists, every feature dim
+    is a 16-byte multiple at bf16 and fp32 (a multiple of 8 elements), and on CUDA the GPU has the
+    Hopper-class CUTLASS path (compute capability >= 9.0)."""
+    if _grouped_mm_fn() is None or any(d % 8 for d in (in_dim, *out_dims)):
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu"
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward
+    rejects expanded (stride-0) gradients such as `y.sum().backward()` produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts for one layer. forward(x_BSD, modality_BS) -> (y_BSD, stats)
+    where stats holds counts_ME (tokens per modality and expert), aux_loss and router_z_loss."""
+
+    def __init__(self, cfg: ModelConfig, ops):
+        super().__init__()
+        moe, D = cfg.moe, cfg.dim
+        self.ops, self.cfg = ops, moe
+        E, Fdim = moe.num_experts, moe.expert_dim
+        self.num_experts, self.top_k = E, moe.num_experts_per_token
+        self.router = nn.Parameter(torch.empty(E, D))
+        # balancing bias: changes which experts are chosen, never the gate weights; fp32 buffer,
+        # saved in checkpoints, moved by update_bias outside autograd
+        self.register_buffer("router_bias", torch.zeros(E, dtype=torch.float32))
+        self.w_gate = nn.Parameter(torch.empty(E, D, Fdim))
+        self.w_up = nn.Parameter(torch.empty(E, D, Fdim))
+        self.w_down = nn.Parameter(torch.empty(E, Fdim, D))
+        self.shared = SwiGLUMLP(D, Fdim * moe.num_shared_experts, ops) if moe.num_shared_experts else None
+        n_text = cfg.num_text_experts()
+        allowed_ME = torch.ones(NUM_MODALITIES, E, dtype=torch.bool)
+        if moe.modality_groups:
+            for m in range(NUM_MODALITIES):
+                visual = m in VISUAL_MODALITIES
+                allowed_ME[m] = (torch.arange(E) >= n_text) if visual else (torch.arange(E) < n_text)
+        self.register_buffer("allowed_ME", allowed_ME, persistent=False)
+        self.groups = [torch.arange(n_text), torch.arange(n_text, E)] if moe.modality_groups else [torch.arange(E)]
+        self.dispatch_mode = moe.dispatch
+        if moe.dispatch == "grouped" and (_grouped_mm_fn() is None or D % 8 or Fdim % 8):
+            raise ValueError(
+                f"model.moe.dispatch=grouped needs torch grouped_mm and dim ({D}) / expert_dim ({Fdim}) multiples of 8; "
+                "use dispatch=auto or loop"
+            )
+        self._use_grouped: dict[str, bool] = {}  # per device type, decided on first use
+
+    def use_grouped(self, device: torch.device) -> bool:
+        """Grouped matmul or per-expert loop; decided once per device from its capabilities."""
+        if self.dispatch_mode == "loop":
+            return False
+        key = str(device)
+        if key not in self._use_grouped:
+            ok = grouped_mm_supported(device, self.w_gate.shape[1], (self.w_gate.shape[2],))
+            if self.dispatch_mode == "grouped" and not ok:
+                raise ValueError(f"model.moe.dispatch=grouped is not supported on {device}; use dispatch=auto or loop")
+            self._use_grouped[key] = ok
+        return self._use_grouped[key]
+
+    def experts_grouped(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """All experts in one grouped matmul per projection over the expert-sorted rows."""
+        gmm = _grouped_mm_fn()
+        offs = counts_E.cumsum(0).to(torch.int32)
+        dt = self._compute_dtype(x_ND)
+        x = x_ND.to(dt)
+        gate = _ContiguousGrad.apply(gmm(x, self.w_gate.to(dt), offs=offs))
+        up = _ContiguousGrad.apply(gmm(x, self.w_up.to(dt), offs=offs))
+        h = self.ops.swiglu(gate, up)
+        return _ContiguousGrad.apply(gmm(h, self.w_down.to(dt), offs=offs))
+
+    def experts_loop(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Reference dispatch: one matmul chain per non-empty expert."""
+        dt = self._compute_dtype(x_ND)
+        outs = []
+        for e, x in enumerate(torch.split(x_ND.to(dt), counts_E.tolist())):
+            if x.shape[0]:
+                h = self.ops.swiglu(x @ self.w_gate[e].to(dt), x @ self.w_up[e].to(dt))
+                outs.append(h @ self.w_down[e].to(dt))
+        return torch.cat(outs) if outs else x_ND.new_zeros(0, x_ND.shape[1])
+
+    @staticmethod
+    def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+        # grouped_mm is not on autocast's lists: cast by hand to the autocast dtype
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
+
+    def route(self, x_TD: torch.Tensor, modality_T: torch.Tensor):
+        """fp32 routing. Returns (topk_idx_TK, weights_TK fp32, logits_TE fp32, probs_TE fp32)."""
+        logits_TE = x_TD.float() @ self.router.float().t()
+        allowed_TE = self.allowed_ME[modality_T]
+        if self.cfg.score_func == "softmax":
+            probs_TE = torch.softmax(logits_TE.masked_fill(~allowed_TE, float("-inf")), dim=-1)
+        else:
+            probs_TE = torch.sigmoid(logits_TE) * allowed_TE
+        choice_TE = (probs_TE + self.router_bias.float()).masked_fill(~allowed_TE, float("-inf"))
+        topk_idx_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        w_TK = probs_TE.gather(1, topk_idx_TK)
+        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)  # gates of the chosen experts sum to 1
+        return topk_idx_TK, w_TK, logits_TE, probs_TE
+
+    def forward(self, x_BSD: torch.Tensor, modality_BS: torch.Tensor):
+        B, S, D = x_BSD.shape
+        E, K = self.num_experts, self.top_k
+        x_TD = x_BSD.reshape(-1, D)
+        modality_T = modality_BS.reshape(-1).long()
+        topk_idx_TK, w_TK, logits_TE, probs_TE = self.route(x_TD, modality_T)
+        x_ND, perm_N, counts_E = self.ops.moe_permute(x_TD, topk_idx_TK, E)
+        if self.use_grouped(x_TD.device):
+            y_ND = self.experts_grouped(x_ND, counts_E)
+        else:
+            y_ND = self.experts_loop(x_ND, counts_E)
+        y_TD = self.ops.moe_unpermute(y_ND, perm_N, w_TK).to(x_TD.dtype)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        counts_ME = torch.bincount(
+            (modality_T.unsqueeze(1) * E + topk_idx_TK).reshape(-1), minlength=NUM_MODALITIES * E
+        ).view(NUM_MODALITIES, E)
+        stats = {"counts_ME": counts_ME.detach()}
+        T = x_TD.shape[0]
+        if self.cfg.aux_loss_coef > 0:
+            # Switch-style balance: E * sum_e (share of routed rows to e) * (mean gate prob of e)
+            frac_E = counts_E.float() / (T * K)
+            p_TE = probs_TE / (probs_TE.sum(-1, keepdim=True) + 1e-20)
+            stats["aux_loss"] = E * (frac_E * p_TE.mean(0)).sum()
+        if self.cfg.router_z_loss_coef > 0:
+            allowed_logits = logits_TE.masked_fill(~self.allowed_ME[modality_T], float("-inf"))
+            stats["router_z_loss"] = torch.logsumexp(allowed_logits, dim=-1).pow(2).mean()
+        return y_TD.view(B, S, D), stats
+
+    @torch.no_grad()
+    def update_bias(self, counts_E: torch.Tensor) -> None:
+        """bias += rate * sign(mean load - load) within each expert group, then re-centred
+        (DeepSeek-V3 / torchtitan); counts already summed over ranks and modalities."""
+        counts_E = counts_E.to(self.router_bias.device, torch.float32)
+        for group in self.groups:
+            group = group.to(counts_E.device)
+            load = counts_E[group]
+            if load.numel() == 0 or load.sum() == 0:
+                continue
+            delta = self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+            new = self.router_bias[group] + delta
+            self.router_bias[group] = new - new.mean()
