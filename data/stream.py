@@ -1,0 +1,522 @@
+"""The unified stream: read -> mix -> shuffle -> tokenize -> best-fit pack -> PackedBatch, resumable.
+
+Legend: B rows per batch, S seq_len, W DataLoader workers per rank, N = world_size * W slots.
+
+How work is split. Each (rank, worker) pair is one *slot*. For every source and epoch, the shard
+order is shuffled from (seed, source, epoch) and the concatenated samples are cut into N contiguous
+ranges whose sizes differ by at most one; slot s reads range s. A slot that finishes its range
+starts the next epoch of that source (new shard order), so the stream is endless, every rank yields
+a batch at every step (unequal shards can never hang DDP), and per-source epochs advance in
+lockstep across slots. Sources are mixed per document: each draw picks a source with probability
+proportional to its weight. A finite pass (evaluation) is `max_batches` batches per rank.
+
+Exact resume. A worker's whole state is a few integers plus *references*: its RNG state, the
+(epoch, position) cursor of each source, the references of the raw samples in its shuffle buffer
+and of the document pieces in its packer, and its counters. Each batch carries the producing
+worker's state to the main process; `StreamLoader.state_dict()` holds, for each worker, the state
+as of the last batch the trainer consumed, and which worker is next. On restore, buffered samples
+are re-read by manifest offset (not replayed from the start of the epoch) and the DataLoader's
+round-robin is rotated so the next batch comes from the right worker: the batches after a restore
+are identical to an uninterrupted run. A state saved with another world size or worker count is
+refused with a ValueError (the ranges would not line up, so no-loss/no-repeat could not be kept).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from omniloom.tokenizers.layout import MODALITY_NAMES, TokenizedDoc
+
+from .batch import PackedBatch, collate_rows
+from .config import DataConfig, SourceConfig
+from .packing import BestFitPacker, PackingError, Piece, split_document
+from .reader import SampleError, SampleReader, ShardSet, resolve_source
+
+log = logging.getLogger(__name__)
+
+TokenizeFn = Callable[[dict, dict], TokenizedDoc]
+STATE_VERSION = 1
+_MAX_LOGGED_SKIPS = 5  # per reason and worker; the counters keep counting after that
+
+
+class _SourceCursor:
+    """Where one slot is in one source: (epoch, position in this slot's range of that epoch)."""
+
+    def __init__(self, shard_set: ShardSet, src_idx: int, seed: int, slot: int, num_slots: int):
+        self.set, self.src_idx, self.seed = shard_set, src_idx, seed
+        n = shard_set.num_samples
+        if n < num_slots:
+            raise ValueError(f"source '{shard_set.label}' has {n} samples, fewer than the {num_slots} reader slots "
+                             "(world_size x num_workers); use fewer workers or add data")
+        self.lo_frac, self.hi_frac = (n * slot) // num_slots, (n * (slot + 1)) // num_slots
+        self.range_len = self.hi_frac - self.lo_frac
+        self.counts = np.array([s.num_samples for s in shard_set.shards], dtype=np.int64)
+        self.epoch, self.pos = 0, 0
+        self.reader = SampleReader(shard_set.shards)
+        self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if epoch not in self._plans:
+            if len(self._plans) > 2:  # refs from at most the previous epoch are still buffered
+                self._plans.pop(min(self._plans))
+            rng = np.random.default_rng([self.seed, self.src_idx, epoch, 0x0A11])
+            order = rng.permutation(len(self.counts))
+            self._plans[epoch] = (order, np.cumsum(self.counts[order]))
+        return self._plans[epoch]
+
+    def locate(self, epoch: int, pos: int) -> tuple[int, int]:
+        """(shard index, sample index) of position `pos` of this slot's range in `epoch`."""
+        order, cum = self._plan(epoch)
+        g = self.lo_frac + pos
+        k = int(np.searchsorted(cum, g, side="right"))
+        return int(order[k]), int(g - (cum[k - 1] if k else 0))
+
+    def next_ref(self) -> tuple[int, int, int]:
+        ref = (self.src_idx, self.epoch, self.pos)
+        self.pos += 1
+        if self.pos == self.range_len:
+            self.epoch, self.pos = self.epoch + 1, 0
+        return ref
+
+    def read(self, epoch: int, pos: int) -> tuple[dict, dict]:
+        return self.reader.read_document(*self.locate(epoch, pos))
+
+
+class WorkerStream:
+    """The deterministic pipeline of one slot. `next_batch()` -> (PackedBatch, counts)."""
+
+    def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, slot: int,
+                 num_slots: int, pad_id: int, patch_dim: int):
+        self.cfg, self.tokenize_fn, self.slot = cfg, tokenize_fn, slot
+        self.pad_id, self.patch_dim = pad_id, patch_dim
+        self.cursors = [_SourceCursor(s, i, cfg.seed, slot, num_slots) for i, s in enumerate(sets)]
+        w = np.array([s.weight for s in sets], dtype=np.float64)
+        self.weights = w / w.sum()
+        self.rng = np.random.Generator(np.random.PCG64([cfg.seed, slot, 0x5EED]))
+        self.shuffle: list[tuple[tuple, dict, dict]] = []
+        self.packer = BestFitPacker(cfg.seq_len, cfg.pack_buffer)
+        self.skipped: Counter = Counter()
+        self.docs = 0  # documents tokenized and handed to the packer
+        self.batches = 0
+
+    # -- pipeline ------------------------------------------------------------------------------
+    def _skip(self, reason: str, err: Exception, ref: tuple) -> None:
+        self.skipped[reason] += 1
+        if self.skipped[reason] <= _MAX_LOGGED_SKIPS:
+            log.warning("skipping sample %s (%s): %s", ref, reason, err)
+
+    def _draw_sample(self) -> tuple[tuple, dict, dict]:
+        src = int(self.rng.choice(len(self.weights), p=self.weights)) if len(self.weights) > 1 else 0
+        cursor = self.cursors[src]
+        for _ in range(cursor.range_len + 1):
+            ref = cursor.next_ref()
+            try:
+                doc, media = cursor.read(ref[1], ref[2])
+                return ref, doc, media
+            except SampleError as err:
+                self._skip(err.reason, err, ref)
+        raise RuntimeError(f"source '{cursor.set.label}': not one readable sample in a whole epoch of slot "
+                           f"{self.slot}; check the shards (skips so far: {dict(self.skipped)})")
+
+    def _next_doc(self) -> tuple[tuple, dict, dict]:
+        while len(self.shuffle) < self.cfg.shuffle_buffer:
+            self.shuffle.append(self._draw_sample())
+        i = int(self.rng.integers(len(self.shuffle)))
+        item = self.shuffle[i]
+        self.shuffle[i] = self.shuffle[-1]
+        self.shuffle.pop()
+        return item
+
+    def _pieces(self, ref: tuple, doc: dict, media: dict, count: bool = True) -> list[Piece]:
+        try:
+            tdoc = self.tokenize_fn(doc, media)
+        except Exception as err:  # any tokenizer failure is a bad sample, never a dead run
+            if count:
+                self._skip(getattr(err, "reason", None) or type(err).__name__, err, ref)
+            return []
+        try:
+            pieces = split_document(tdoc, self.cfg.seq_len, ref)
+        except PackingError as err:
+            if count:
+                self._skip(err.reason, err, ref)
+            return []
+        for b in tdoc.blocks:
+            if b.patches_ND.shape[1] > self.patch_dim:
+                raise ValueError(f"tokenizer gave {b.patches_ND.shape[1]}-dim patches but the stream's patch_dim "
+                                 f"is {self.patch_dim}; pass patch_dim=max(patch_dim, tubelet_dim) of the tokenizer")
+        if count:
+            self.docs += 1
+        return pieces
+
+    def _fill_packer(self) -> None:
+        while self.packer.needs_more():
+            ref, doc, media = self._next_doc()
+            for piece in self._pieces(ref, doc, media):
+                self.packer.add(piece)
+
+    def next_batch(self) -> tuple[PackedBatch, dict]:
+        rows = []
+        for _ in range(self.cfg.batch_size):
+            self._fill_packer()
+            rows.append(self.packer.pop_row())
+        batch, counts = collate_rows(rows, seq_len=self.cfg.seq_len, pad_id=self.pad_id,
+                                     patch_dim=self.patch_dim, patch_dtype=self.cfg.patch_dtype)
+        self.batches += 1
+        return batch, counts
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain data (ints, lists, dicts): JSON- and torch.save-friendly."""
+        return {
+            "rng": copy.deepcopy(self.rng.bit_generator.state),
+            "cursors": [[c.epoch, c.pos] for c in self.cursors],
+            "shuffle": [list(ref) for ref, _, _ in self.shuffle],
+            "packer": [[list(ref), idx] for ref, idx in self.packer.state_refs()],
+            "skipped": dict(self.skipped),
+            "docs": self.docs,
+            "batches": self.batches,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore; buffered samples are re-read by reference (random access by manifest offset)."""
+        self.rng.bit_generator.state = copy.deepcopy(state["rng"])
+        for cursor, (epoch, pos) in zip(self.cursors, state["cursors"], strict=True):
+            cursor.epoch, cursor.pos = int(epoch), int(pos)
+        self.skipped = Counter(state["skipped"])
+        self.docs, self.batches = int(state["docs"]), int(state["batches"])
+        self.shuffle = []
+        for ref in map(tuple, state["shuffle"]):
+            try:
+                self.shuffle.append((ref, *self.cursors[ref[0]].read(ref[1], ref[2])))
+            except SampleError as err:  # the data changed since the checkpoint: say so, keep going
+                self._skip("restore_unreadable", err, ref)
+        self.packer = BestFitPacker(self.cfg.seq_len, self.cfg.pack_buffer)
+        cache: dict[tuple, list[Piece]] = {}
+        for ref, idx in state["packer"]:
+            ref = tuple(ref)
+            if ref not in cache:
+                try:
+                    doc, media = self.cursors[ref[0]].read(ref[1], ref[2])
+                    cache[ref] = self._pieces(ref, doc, media, count=False)
+                except SampleError as err:
+                    self._skip("restore_unreadable", err, ref)
+                    cache[ref] = []
+            if idx < len(cache[ref]):
+                self.packer.add(cache[ref][idx])
+            else:
+                self.skipped["restore_unreadable"] += 1
+
+    def close(self) -> None:
+        for c in self.cursors:
+            c.reader.close()
+
+
+def _first_batch_index(consumed: int, logical: int, num_logical: int) -> int:
+    """Smallest global batch index >= consumed that logical worker `logical` produces."""
+    return consumed + (logical - consumed) % num_logical
+
+
+class StreamDataset:
+    """The per-rank IterableDataset: each DataLoader worker runs one WorkerStream.
+
+    Workers are *logical*: physical worker i serves logical worker (i + consumed) % W, because
+    torch's DataLoader always asks worker 0 first while the next batch after a restore may be due
+    from another worker. Logical worker w produces global batches w, w + W, w + 2W, ...; each item
+    is (PackedBatch, meta) with meta = {worker, index, state, counts}.
+    """
+
+    def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, rank: int,
+                 world_size: int, pad_id: int, patch_dim: int, states: list[dict | None], consumed: int,
+                 max_batches: int | None):
+        self.sets, self.cfg, self.tokenize_fn = sets, cfg, tokenize_fn
+        self.rank, self.world_size, self.pad_id, self.patch_dim = rank, world_size, pad_id, patch_dim
+        self.states, self.consumed, self.max_batches = states, consumed, max_batches
+        self.num_logical = max(cfg.num_workers, 1)
+
+    def __iter__(self) -> Iterator[tuple[PackedBatch, dict]]:
+        import torch.utils.data
+
+        info = torch.utils.data.get_worker_info()
+        physical = info.id if info is not None else 0
+        logical = (physical + self.consumed) % self.num_logical
+        stream = WorkerStream(self.sets, self.cfg, self.tokenize_fn, slot=self.rank * self.num_logical + logical,
+                              num_slots=self.world_size * self.num_logical, pad_id=self.pad_id,
+                              patch_dim=self.patch_dim)
+        if self.states[logical] is not None:
+            stream.load_state_dict(self.states[logical])
+        index = _first_batch_index(self.consumed, logical, self.num_logical)
+        assert stream.batches * self.num_logical + logical == index, "worker state and batch index disagree"
+        try:
+            while self.max_batches is None or index < self.max_batches:
+                batch, counts = stream.next_batch()
+                meta = {"worker": logical, "index": index, "state": stream.state_dict(), "counts": counts}
+                yield batch, meta
+                index += self.num_logical
+        finally:
+            stream.close()
+
+
+# Torch's DataLoader wants an IterableDataset subclass; define it lazily to keep torch out of
+# module import time (the CLI imports this module's neighbours for --help).
+def _as_iterable_dataset(ds: StreamDataset):
+    import torch.utils.data
+
+    class _Iterable(torch.utils.data.IterableDataset):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __iter__(self):
+            return iter(self.inner)
+
+    return _Iterable(ds)
+
+
+class StreamLoader:
+    """Iterates PackedBatch for one rank; `state_dict()`/`load_state_dict()` give exact resume.
+
+    Iterating again continues where the last iteration stopped (it restarts the workers from the
+    state). With `max_batches` the loader is finite: exactly that many batches on every rank.
+    """
+
+    def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, rank: int,
+                 world_size: int, pad_id: int, patch_dim: int, max_batches: int | None = None,
+                 pin_memory: bool = False, split: str = "train"):
+        self.sets, self.cfg, self.tokenize_fn = sets, cfg, tokenize_fn
+        self.rank, self.world_size, self.pad_id, self.patch_dim = rank, world_size, pad_id, patch_dim
+        self.max_batches, self.pin_memory, self.split = max_batches, pin_memory, split
+        self.num_logical = max(cfg.num_workers, 1)
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the start of the stream (as built: epoch 0 of every source)."""
+        self._states: list[dict | None] = [None] * self.num_logical
+        self.consumed = 0
+        self._window_start = time.perf_counter()
+        self._window = {"docs": 0, "tokens": np.zeros(5, np.int64), "padding": 0, "batches": 0}
+        self._docs_seen = [0] * self.num_logical
+
+    def __len__(self) -> int:
+        if self.max_batches is None:
+            raise TypeError("an endless stream has no length; build it with max_batches for a finite pass")
+        return self.max_batches
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        ds = StreamDataset(self.sets, self.cfg, self.tokenize_fn, rank=self.rank, world_size=self.world_size,
+                           pad_id=self.pad_id, patch_dim=self.patch_dim, states=list(self._states),
+                           consumed=self.consumed, max_batches=self.max_batches)
+        if self.cfg.num_workers == 0:
+            items: Iterator = iter(ds)
+        else:
+            import torch.utils.data
+
+            items = iter(torch.utils.data.DataLoader(
+                _as_iterable_dataset(ds), batch_size=None, num_workers=self.cfg.num_workers,
+                prefetch_factor=self.cfg.prefetch_factor, pin_memory=self.pin_memory, persistent_workers=False))
+        for batch, meta in items:
+            assert meta["index"] == self.consumed, f"batch {meta['index']} arrived when {self.consumed} was due"
+            self._states[meta["worker"]] = meta["state"]
+            self.consumed += 1
+            self._account(meta)
+            if self.cfg.num_workers == 0 and self.pin_memory:
+                batch = batch.pin_memory()
+            yield batch
+
+    # -- metrics -------------------------------------------------------------------------------
+    def _account(self, meta: dict) -> None:
+        w, counts = meta["worker"], meta["counts"]
+        docs = meta["state"]["docs"]
+        self._window["docs"] += docs - self._docs_seen[w]
+        self._docs_seen[w] = docs
+        self._window["tokens"] += np.asarray(counts["tokens_by_modality"], dtype=np.int64)
+        self._window["padding"] += counts["padding"]
+        self._window["batches"] += 1
+
+    def skipped(self) -> dict[str, int]:
+        """Samples skipped so far on this rank, by reason (summed over workers)."""
+        total: Counter = Counter()
+        for state in self._states:
+            if state is not None:
+                total.update(state["skipped"])
+        return dict(sorted(total.items()))
+
+    def epochs(self) -> dict[str, int]:
+        """Per source: the epoch every worker of this rank has reached (the minimum)."""
+        out = {}
+        for i, s in enumerate(self.sets):
+            ep = [st["cursors"][i][0] for st in self._states if st is not None]
+            out[s.label] = min(ep) if len(ep) == self.num_logical else 0
+        return out
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        """Throughput and composition since the last call: samples/s, tokens/s (padding excluded),
+        padding fraction, token share per modality, skipped samples by reason (cumulative)."""
+        now = time.perf_counter()
+        dt = max(now - self._window_start, 1e-9)
+        win = self._window
+        real = int(win["tokens"].sum())
+        slots = real + win["padding"]
+        out: dict[str, float] = {
+            "samples_per_s": win["docs"] / dt,
+            "tokens_per_s": real / dt,
+            "padding_fraction": win["padding"] / slots if slots else 0.0,
+        }
+        for name, n in zip(MODALITY_NAMES, win["tokens"].tolist()):
+            out[f"token_share/{name}"] = n / real if real else 0.0
+        skipped = self.skipped()
+        out["skipped_total"] = float(sum(skipped.values()))
+        for reason, n in skipped.items():
+            out[f"skipped/{reason}"] = float(n)
+        if reset:
+            self._window_start = now
+            self._window = {"docs": 0, "tokens": np.zeros(5, np.int64), "padding": 0, "batches": 0}
+        return out
+
+    # -- state ---------------------------------------------------------------------------------
+    def _fingerprint(self) -> dict:
+        c = self.cfg
+        return {
+            "split": self.split,
+            "sources": [[s.label, s.weight, s.num_samples] for s in self.sets],
+            "seq_len": c.seq_len, "batch_size": c.batch_size, "seed": c.seed,
+            "shuffle_buffer": c.shuffle_buffer, "pack_buffer": c.pack_buffer,
+            "world_size": self.world_size, "num_workers": c.num_workers,
+        }
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly after the last consumed batch (plain data)."""
+        return {"version": STATE_VERSION, "rank": self.rank, "fingerprint": self._fingerprint(),
+                "consumed": self.consumed, "workers": copy.deepcopy(self._states)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`. Refuses (ValueError) a state from another layout or data config."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data-loader state version {state.get('version')} is not {STATE_VERSION}")
+        old, new = state["fingerprint"], self._fingerprint()
+        if (old["world_size"], old["num_workers"]) != (new["world_size"], new["num_workers"]):
+            raise ValueError(
+                f"data-loader state was saved with world_size={old['world_size']} x num_workers="
+                f"{old['num_workers']}, this run has world_size={new['world_size']} x num_workers="
+                f"{new['num_workers']}: exact resume needs the same layout (each rank/worker owns a fixed "
+                "slice of every epoch). Resume with the original layout, or start the data stream fresh.")
+        diff = [k for k in new if json_safe(old.get(k)) != json_safe(new[k])]
+        if diff:
+            details = "; ".join(f"{k}: saved {old.get(k)!r}, now {new[k]!r}" for k in diff)
+            raise ValueError(f"data-loader state does not match this data config ({details}); "
+                             "resume with the config it was saved with")
+        if state["rank"] != self.rank:
+            raise ValueError(f"data-loader state of rank {state['rank']} given to rank {self.rank}")
+        self._states = copy.deepcopy(state["workers"])
+        self.consumed = int(state["consumed"])
+        self._docs_seen = [st["docs"] if st else 0 for st in self._states]
+
+
+def json_safe(value):
+    """Tuples to lists, so fingerprints compare equal after a JSON/YAML round trip."""
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class DocumentTokenizer:
+    """The default tokenize_fn: omniloom's tokenizer loaded from a folder, lazily in each worker
+    (picklable: only the path travels to DataLoader workers)."""
+
+    def __init__(self, tokenizer_dir: str):
+        from omniloom.tokenizers.text import Tokenizer
+
+        self.tokenizer_dir = tokenizer_dir
+        self._tok = Tokenizer.load(tokenizer_dir)  # fail at start, not inside a worker
+        self._fn = None
+
+    @property
+    def tokenizer(self):
+        return self._tok
+
+    def __getstate__(self):
+        return {"tokenizer_dir": self.tokenizer_dir, "tok": self._tok}
+
+    def __setstate__(self, state):
+        self.tokenizer_dir, self._tok, self._fn = state["tokenizer_dir"], state["tok"], None
+
+    def __call__(self, doc: dict, media: dict) -> TokenizedDoc:
+        if self._fn is None:
+            self._fn = _find_tokenize_document()
+        fn, takes_media = self._fn
+        return fn(doc, media, self._tok) if takes_media else fn(doc, self._tok, media=media)
+
+
+def _find_tokenize_document():
+    import importlib
+    import inspect
+
+    for name in ("omniloom.tokenizers", "omniloom.tokenizers.document", "omniloom.tokenizers.unified",
+                 "omniloom.tokenizers.layout"):
+        try:
+            fn = getattr(importlib.import_module(name), "tokenize_document", None)
+        except ImportError:
+            continue
+        if fn is not None:
+            params = list(inspect.signature(fn).parameters)
+            return fn, len(params) >= 3 and params[1] == "media"
+    raise ValueError("omniloom.tokenizers has no tokenize_document yet; pass a tokenize_fn to build_loader")
+
+
+def build_loader(data_cfg: DataConfig, tokenize_fn: TokenizeFn | None = None, *, rank: int = 0,
+                 world_size: int = 1, split: str = "train", max_batches: int | None = None,
+                 pin_memory: bool = False, pad_id: int | None = None, patch_dim: int | None = None) -> StreamLoader:
+    """The per-rank PackedBatch loader for `split` ("train": data_cfg.sources, "eval": eval_sources).
+
+    tokenize_fn(doc_json, media_by_ref) -> TokenizedDoc defaults to the tokenizer in
+    data_cfg.tokenizer; pad_id and patch_dim (the common [P, D] width: max of image patch_dim and
+    video tubelet_dim) default to that tokenizer's. Errors at start (ValueError/FileNotFoundError):
+    no sources, a missing manifest or shard, a source with zero samples or fewer samples than
+    world_size x num_workers. Use max_batches for a finite pass (evaluation: the same count on every
+    rank); without it the stream is endless (epochs advance per source).
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if not (0 <= rank < world_size):
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    sources: list[SourceConfig] = data_cfg.sources if split == "train" else data_cfg.eval_sources
+    if not sources:
+        raise ValueError(f"data.{'sources' if split == 'train' else 'eval_sources'} is empty; name at least one "
+                         "shard set (a directory with manifest.json, a brace pattern or a URL)")
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+    tok = None
+    if tokenize_fn is None:
+        if not data_cfg.tokenizer:
+            raise ValueError("data.tokenizer is empty; set it to a folder made by `omniloom tokenizer train`")
+        tokenize_fn = DocumentTokenizer(data_cfg.tokenizer)
+        tok = tokenize_fn.tokenizer
+    elif isinstance(tokenize_fn, DocumentTokenizer):
+        tok = tokenize_fn.tokenizer
+    if tok is not None:
+        from .config import check_visual_budget
+
+        s = tok.settings
+        check_visual_budget(data_cfg.seq_len, max_image_patches=s.image_patch_budget,
+                            max_video_patches=s.video_patch_budget * -(-s.video_frame_budget // s.temporal_patch_size))
+        pad_id = tok.pad_id if pad_id is None else pad_id
+        patch_dim = max(tok.patch_dim, tok.tubelet_dim) if patch_dim is None else patch_dim
+    if patch_dim is None:
+        raise ValueError("patch_dim is unknown with a custom tokenize_fn; pass patch_dim (the largest patch "
+                         "vector length: 3*tp*p*p for video)")
+    if pad_id is None:
+        from omniloom.tokenizers.layout import PAD_ID
+
+        pad_id = PAD_ID
+    sets = [resolve_source(s) for s in sources]
+    num_slots = world_size * max(data_cfg.num_workers, 1)
+    for s in sets:
+        if s.num_samples < num_slots:
+            raise ValueError(f"source '{s.label}' has {s.num_samples} samples, fewer than the {num_slots} reader "
+                             "slots (world_size x num_workers); use fewer workers or add data")
+    return StreamLoader(sets, data_cfg, tokenize_fn, rank=rank, world_size=world_size, pad_id=pad_id,
+                        patch_dim=patch_dim, max_batches=max_batches, pin_memory=pin_memory, split=split)
