@@ -182,7 +182,7 @@ class CheckpointManager:
                              f"{self.acc.num_processes}; exact resume needs the same world size (launch with "
                              f"--num_processes {info.get('world_size')})")
         self.acc.load_state(str(path / "accelerate"))
-        trainer_state = torch.load(path / "trainer.pt", weights_only=False)
-        data_state = torch.load(path / f"data_rank{self.acc.process_index:05d}.pt", weights_only=False)
+        trainer_state = torch.load(path / "trainer.pt", weights_only=True)
+        data_state = torch.load(path / f"data_rank{self.acc.process_index:05d}.pt", weights_only=True)
         log.info("resumed from %s (step %d)", path, trainer_state.get("step", -1))
         return trainer_state, data_state

@@ -137,7 +137,7 @@ class Trainer:
                 t_step = time.perf_counter()
                 step_vec, counts_LME = self._train_step()
                 stats = self._unpack(step_vec)
-                ok = self.guard.check(self.step, stats["loss"], stats["grad_norm"], self.last_checkpoint)
+                ok = self.guard.check(self.step + 1, stats["loss"], stats["grad_norm"], self.last_checkpoint)
                 if ok:
                     with self.timer.phase("optimizer"):
                         self.optimizer.step()

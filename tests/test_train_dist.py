@@ -1,0 +1,127 @@
+"""Multi-process and signal tests: `accelerate launch` with the shipped 2-process CPU config (gloo),
+exact resume after SIGKILL, SIGTERM -> checkpoint + exit 0. The model and stream are the tiny
+stand-ins of tests/test_train_standin.py (2 DataLoader workers per rank)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from omniloom.pretrain.checkpoint import latest_checkpoint, list_checkpoints
+from omniloom.pretrain.config import presets_dir
+from omniloom.pretrain.metrics import read_metrics
+
+STANDIN = Path(__file__).with_name("test_train_standin.py")
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+CPU_2PROC = presets_dir() / "accelerate" / "cpu_2proc.yaml"
+COMMON = ["train.num_steps=12", "checkpoint.every=4", "checkpoint.keep_last=5", "data.num_workers=2"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+def _launch_cmd(out: Path, *extra: str) -> list[str]:
+    return [str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), str(STANDIN), "--out", str(out), *extra]
+
+
+def _run(cmd, timeout=240):
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step; after a resume the re-run steps overwrite the killed run's lines."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    _run(_launch_cmd(out, *COMMON))
+    return out
+
+
+def test_two_process_cpu_launch_world_size_and_identical_parameters(reference_run):
+    results = [json.loads((reference_run / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in results] == [2, 2]
+    assert all(r["step"] == 12 and r["bias_updates"] == 12 for r in results)
+    p0 = torch.load(reference_run / "params_rank0.pt", weights_only=True)
+    p1 = torch.load(reference_run / "params_rank1.pt", weights_only=True)
+    assert p0.keys() == p1.keys()
+    for name in p0:
+        assert torch.equal(p0[name], p1[name]), name
+    ckpt = latest_checkpoint(reference_run / "checkpoints")
+    assert ckpt.name == "step_00000012"
+    assert sorted(p.name for p in ckpt.glob("data_rank*.pt")) == ["data_rank00000.pt", "data_rank00001.pt"]
+    losses = _losses(reference_run)
+    assert sorted(losses) == list(range(1, 13)) and losses[12] < losses[1]
+
+
+def test_sigkill_mid_training_then_resume_auto_matches_uninterrupted_run(reference_run, tmp_path):
+    out = tmp_path / "killed"
+    out.mkdir()
+    proc = subprocess.Popen(_launch_cmd(out, "--sleep", "0.25", *COMMON), env=_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            steps = _losses(out) if (out / "metrics.jsonl").exists() else {}
+            if steps and max(steps) >= 6:
+                break
+            if proc.poll() is not None:
+                pytest.fail("the run ended before it could be killed")
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, no chance to clean up
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    killed_at = max(_losses(out))
+    assert 6 <= killed_at < 12
+    resumed_from = latest_checkpoint(out / "checkpoints")
+    assert resumed_from is not None and resumed_from.name in ("step_00000004", "step_00000008")
+
+    _run(_launch_cmd(out, *COMMON, "checkpoint.resume=auto"))
+    ref, got = _losses(reference_run), _losses(out)
+    assert sorted(got) == list(range(1, 13))
+    assert got == ref  # bit-identical losses at every step, before and after the kill
+    p_ref = torch.load(reference_run / "params_rank0.pt", weights_only=True)
+    p_got = torch.load(out / "params_rank1.pt", weights_only=True)
+    for name in p_ref:
+        assert torch.equal(p_ref[name], p_got[name]), name
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def test_sigterm_saves_a_complete_checkpoint_and_exits_0(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(STANDIN), "--out", str(tmp_path), "--sleep", "0.1",
+                             "train.num_steps=10000", "checkpoint.every=0"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (
+                (tmp_path / "metrics.jsonl").exists() and _losses(tmp_path) and max(_losses(tmp_path)) >= 3):
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    result = json.loads((tmp_path / "result_rank0.json").read_text())
+    assert result["stopped_by"] == "signal"
+    ckpts = list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in ckpts] == [f"step_{result['step']:08d}"]
+    assert max(_losses(tmp_path)) == result["step"]

@@ -1,0 +1,228 @@
+"""Trainer pieces in one process: schedules, parameter groups, checkpoints, guards, metrics, and the
+loop itself with tiny stand-ins for the model and stream (tests/test_train_standin.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from omniloom.pretrain import checkpoint as ckpt_mod
+from omniloom.pretrain.config import OptimConfig, load_config
+from omniloom.pretrain.guards import NonFiniteError, NonFiniteGuard, SpikeDetector
+from omniloom.pretrain.metrics import expert_balance, per_modality_losses, read_metrics
+from omniloom.pretrain.optim import build_optimizer, lr_factor, param_groups
+from omniloom.pretrain.parallel import apply_activation_checkpointing
+
+_spec = importlib.util.spec_from_file_location("train_standin", Path(__file__).with_name("test_train_standin.py"))
+standin = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(standin)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each Trainer makes an Accelerator; accelerate keeps process-wide singletons between them."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def _trainer(tmp_path, *overrides, **builder_kwargs):
+    from omniloom.pretrain.train import Trainer
+
+    cfg = load_config(None, standin.base_overrides(tmp_path) + ["data.num_workers=0"] + list(overrides))
+    build_model, build_loader = standin.standin_builders(num_workers=0, **builder_kwargs)
+    return Trainer(cfg, build_model=build_model, build_loader=build_loader, progress=False)
+
+
+# ---- schedules and optimizer -------------------------------------------------------------------
+def test_warmup_cosine_and_wsd_shapes():
+    cos = OptimConfig(warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    f = [lr_factor(s, cos, 100) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(f[:10], f[1:10]))  # warmup rises
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))  # cosine falls
+    assert f[55] == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-9)  # midpoint of the cosine
+    assert lr_factor(100, cos, 100) == pytest.approx(0.1)
+    wsd = OptimConfig(warmup_steps=10, schedule="wsd", decay_fraction=0.2, min_lr_ratio=0.0)
+    g = [lr_factor(s, wsd, 100) for s in range(101)]
+    assert g[10:80] == [1.0] * 70  # stable phase
+    assert g[90] == pytest.approx(0.5) and g[100] == pytest.approx(0.0)
+    assert lr_factor(50, OptimConfig(warmup_steps=10, schedule="constant"), 100) == 1.0
+
+
+def test_no_weight_decay_on_norms_embeddings_biases():
+    model = standin.StandinModel()
+    model.layers[0].extra = torch.nn.Linear(4, 4, bias=True)
+    groups = param_groups(model, 0.1)
+    decay = next(g for g in groups if g["weight_decay"] > 0)["names"]
+    no_decay = next(g for g in groups if g["weight_decay"] == 0)["names"]
+    assert "head.weight" in decay and "layers.0.up.weight" in decay
+    for name in ("embed.weight", "prev_embed.weight", "final_norm.weight", "layers.0.norm.weight",
+                 "layers.0.extra.bias"):
+        assert name in no_decay, name
+    assert not set(decay) & set(no_decay)
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+def _fake_complete(ckpt_dir: Path, step: int) -> Path:
+    d = ckpt_dir / ckpt_mod.checkpoint_name(step)
+    d.mkdir(parents=True)
+    (d / "trainer.pt").write_bytes(b"x")
+    (d / ckpt_mod.MARKER).write_text(json.dumps({"step": step, "files": ["trainer.pt"], "world_size": 1}))
+    return d
+
+
+def test_resume_auto_never_picks_a_folder_cut_off_mid_write(tmp_path):
+    good = _fake_complete(tmp_path, 8)
+    (tmp_path / ".tmp-step_00000012").mkdir()  # killed while writing
+    partial = tmp_path / "step_00000016"  # renamed by hand, no marker
+    partial.mkdir()
+    (partial / "trainer.pt").write_bytes(b"x")
+    lying = _fake_complete(tmp_path, 20)  # marker lists a file that is gone
+    (lying / ckpt_mod.MARKER).write_text(json.dumps({"step": 20, "files": ["trainer.pt", "accelerate/model.safetensors"]}))
+    assert ckpt_mod.latest_checkpoint(tmp_path) == good
+    assert ckpt_mod.resolve_resume("auto", tmp_path) == good
+    assert ckpt_mod.resolve_resume("", tmp_path) is None
+    with pytest.raises(ValueError, match="incomplete"):
+        ckpt_mod.resolve_resume(str(partial), tmp_path)
+    with pytest.raises(FileNotFoundError, match="auto"):
+        ckpt_mod.resolve_resume(str(tmp_path / "nope"), tmp_path)
+    assert ckpt_mod.resolve_resume("auto", tmp_path / "empty") is None
+
+
+def test_save_interrupted_before_rename_leaves_nothing_visible(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=0", "checkpoint.keep_last=2")
+    trainer.fit()
+    ckpts = tmp_path / "checkpoints"
+    assert [p.name for p in ckpt_mod.list_checkpoints(ckpts)] == ["step_00000002"]
+
+    def boom(src, dst):
+        raise KeyboardInterrupt("killed while writing")
+
+    monkeypatch.setattr(ckpt_mod.os, "replace", boom)
+    trainer.step = 3
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save()
+    monkeypatch.undo()
+    assert ckpt_mod.latest_checkpoint(ckpts).name == "step_00000002"
+    assert (ckpts / ".tmp-step_00000003").exists()
+    for step in (4, 5, 6):
+        trainer.step = step
+        trainer.save()
+    assert [p.name for p in ckpt_mod.list_checkpoints(ckpts)] == ["step_00000005", "step_00000006"]  # keep_last=2
+
+
+# ---- guards and metrics -------------------------------------------------------------------------
+def test_nonfinite_guard_counts_and_stops_naming_step_and_checkpoint():
+    g = NonFiniteGuard(3)
+    assert g.check(1, 2.0, 1.0, None)
+    assert not g.check(2, float("nan"), 1.0, None)
+    assert g.check(3, 2.0, 1.0, None) and g.in_a_row == 0
+    assert not g.check(4, 2.0, float("inf"), "ck/step_3")
+    assert not g.check(5, float("nan"), 1.0, "ck/step_3")
+    with pytest.raises(NonFiniteError, match=r"step 6.*ck/step_3"):
+        g.check(6, float("nan"), float("nan"), "ck/step_3")
+    assert g.total_skipped == 4
+
+
+def test_spike_detector_flags_only_outliers():
+    det = SpikeDetector(window=16, sigma=6.0)
+    vals = [3.0 + 0.01 * math.sin(i) for i in range(16)]
+    assert all(det.update(v) is None for v in vals)
+    assert det.update(3.0) is None
+    assert det.update(5.0) > 6.0
+    det2 = SpikeDetector(window=16)
+    det2.load_state_dict(det.state_dict())
+    assert list(det2.values) == list(det.values)
+
+
+def test_expert_balance_and_modality_losses():
+    counts = torch.zeros(2, 5, 4)
+    counts[1, 0] = torch.tensor([10.0, 10.0, 10.0, 10.0])
+    counts[1, 2] = torch.tensor([40.0, 0.0, 0.0, 0.0])
+    out = expert_balance(counts)
+    assert "moe/max_over_mean/layer0" not in out  # dense layer: no counts
+    assert out["moe/max_over_mean/layer1/text"] == 1.0
+    assert out["moe/max_over_mean/layer1/image"] == 4.0
+    assert out["moe/max_over_mean/layer1"] == pytest.approx(50 / 20)
+    losses = per_modality_losses(torch.tensor([4.0, 0, 9.0, 0, 0]), torch.tensor([2.0, 0, 3.0, 0, 0]), "loss")
+    assert losses == {"loss/text": 2.0, "loss/image": 3.0}
+
+
+def test_activation_checkpointing_keeps_keys_and_gradients():
+    torch.manual_seed(0)
+    a, b = standin.StandinModel(), standin.StandinModel()
+    b.load_state_dict(a.state_dict())
+    assert apply_activation_checkpointing(b) == 2
+    assert list(a.state_dict()) == list(b.state_dict())
+    batch = standin.make_batch(0, 0, 0, 2, 8)
+    fields = {f: getattr(batch, f) for f in ("input_ids", "labels", "positions", "doc_ids", "block_ids",
+                                              "modality", "patches", "patch_kind")}
+    a(**fields).loss.backward()
+    b(**fields).loss.backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, msg=name)
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+def test_loss_falls_and_metrics_are_logged(tmp_path):
+    trainer = _trainer(tmp_path, "train.num_steps=30", "checkpoint.every=0", "train.eval_every=15",
+                       "train.eval_steps=2", "train.grad_accum_steps=2", "logging.every=5")
+    result = trainer.fit()
+    assert result.step == 30 and result.stopped_by == "done"
+    assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.5
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, 31))
+    full = [r for r in train_rows if "tokens_per_s" in r]
+    assert [r["step"] for r in full] == [5, 10, 15, 20, 25, 30]
+    for key in ("loss/text", "loss/code", "loss/special", "z_loss", "grad_norm", "lr", "final_out_norm",
+                "data_wait_fraction", "time/forward_s", "time/backward_s", "time/optimizer_s",
+                "moe/max_over_mean", "data/skipped_samples"):
+        assert key in full[-1], key
+    assert "mfu" not in full[-1]  # no peak on CPU
+    assert full[-1]["tokens_seen"] == 30 * 2 * 4 * 16
+    evals = [r for r in rows if "eval/loss/text" in r]
+    assert [r["step"] for r in evals] == [15, 30]
+    assert evals[1]["eval/loss"] < evals[0]["eval/loss"]
+    assert trainer.acc.unwrap_model(trainer.model).bias_updates == 30
+    assert ckpt_mod.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000030"
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
+    # Forward calls 3 and 4 return NaN: both updates are skipped, training continues.
+    trainer = _trainer(tmp_path, "train.num_steps=6", "checkpoint.every=2", "train.max_bad_steps=3",
+                       nan_at_call={3, 4})
+    result = trainer.fit()
+    assert result.step == 6 and trainer.guard.total_skipped == 2
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert rows[-1]["skipped_updates"] == 2 and all(math.isfinite(p.sum().item()) for p in trainer.model.parameters())
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True), GradientState._reset_state(), PartialState._reset_state()
+    run2 = tmp_path / "run2"
+    trainer = _trainer(run2, "train.num_steps=10", "checkpoint.every=2", "train.max_bad_steps=3",
+                       nan_at_call={5, 6, 7})
+    with pytest.raises(NonFiniteError, match=r"step 7: 3 steps in a row.*step_00000006"):
+        trainer.fit()
+
+
+def test_sigterm_finishes_step_saves_and_returns(tmp_path):
+    trainer = _trainer(tmp_path, "train.num_steps=50", "checkpoint.every=0", sigterm_at=4)
+    result = trainer.fit()
+    assert result.stopped_by == "signal" and result.step == 4
+    latest = ckpt_mod.latest_checkpoint(tmp_path / "checkpoints")
+    assert latest.name == "step_00000004" and ckpt_mod.is_complete(latest)
+    state = torch.load(latest / "data_rank00000.pt", weights_only=True)
+    assert state == {"consumed": 4}
