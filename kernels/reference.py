@@ -43,7 +43,8 @@ def linear_cross_entropy(
     chunk_size: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross-entropy and z (= logsumexp^2) of `h @ weight.T`, computed in fp32 chunk
-    by chunk with recomputation in backward, so the [T, V] logits are never held whole.
+    by chunk with recomputation in backward, so the [T, V] logits are never held whole: the peak
+    is about one [chunk_size, V] buffer (plus the fp32 copy of W for low-precision weights).
 
     Returns (ce_T, z_T) in fp32 (float64 for float64 inputs), both 0 where labels == ignore_index. The caller reduces
     (mean over valid tokens, z-loss coefficient, per-modality sums)."""
@@ -55,49 +56,62 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _ce_chunk(h, w, labels, ignore_index):
+def _ce_chunk_forward(h, w, labels, ignore_index):
+    """(ce, z, lse) of one chunk. The [C, V] logits buffer is the only big allocation: lse is
+    computed in place on it (max, subtract, exp, sum) after the target logits are read out."""
     acc = _acc_dtype(h)
-    logits = h.to(acc) @ w.to(acc).t()
-    lse = torch.logsumexp(logits, dim=-1)
+    logits = h.to(acc) @ w.t()  # w already in acc dtype
     valid = labels != ignore_index
     safe = torch.where(valid, labels, torch.zeros_like(labels))
     target = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
+    m = logits.amax(dim=-1, keepdim=True)
+    lse = (logits.sub_(m).exp_().sum(-1, keepdim=True).log_() + m).squeeze(1)
     ce = torch.where(valid, lse - target, torch.zeros_like(lse))
     z = torch.where(valid, lse * lse, torch.zeros_like(lse))
-    return logits, lse, valid, safe, ce, z
+    return ce, z, lse
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, labels, ignore_index, chunk_size):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         ce = torch.empty(h.shape[0], dtype=_acc_dtype(h), device=h.device)
-        z = torch.empty_like(ce)
+        z, lse = torch.empty_like(ce), torch.empty_like(ce)
+        w_acc = w.to(ce.dtype)  # once per call, not once per chunk
         for s in range(0, h.shape[0], chunk_size):
             e = min(s + chunk_size, h.shape[0])
-            _, _, _, _, ce[s:e], z[s:e] = _ce_chunk(h[s:e], w, labels[s:e], ignore_index)
-        ctx.save_for_backward(h, w, labels)
+            ce[s:e], z[s:e], lse[s:e] = _ce_chunk_forward(h[s:e], w_acc, labels[s:e], ignore_index)
+        ctx.save_for_backward(h, w, labels, lse)
         ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
         return ce, z
 
     @staticmethod
     def backward(ctx, grad_ce, grad_z):
-        h, w, labels = ctx.saved_tensors
+        h, w, labels, lse_T = ctx.saved_tensors
         acc = _acc_dtype(h)
         grad_h = torch.zeros_like(h, dtype=acc) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(w, dtype=acc) if ctx.needs_input_grad[1] else None
+        w_acc = w.to(acc)
+        grad_ce = torch.zeros_like(lse_T) if grad_ce is None else grad_ce
+        grad_z = torch.zeros_like(lse_T) if grad_z is None else grad_z
         for s in range(0, h.shape[0], ctx.chunk_size):
             e = min(s + ctx.chunk_size, h.shape[0])
-            logits, lse, valid, safe, _, _ = _ce_chunk(h[s:e], w, labels[s:e], ctx.ignore_index)
+            h_acc = h[s:e].to(acc)
+            valid = labels[s:e] != ctx.ignore_index
+            safe = torch.where(valid, labels[s:e], torch.zeros_like(labels[s:e]))
+            lse = lse_T[s:e]
             gce = torch.where(valid, grad_ce[s:e].to(acc), torch.zeros_like(lse))
             gz = torch.where(valid, grad_z[s:e].to(acc), torch.zeros_like(lse))
-            # d ce / d logits = softmax - onehot; d z / d logits = 2 * lse * softmax
-            probs = torch.softmax(logits, dim=-1)
-            g = probs * (gce + 2.0 * lse * gz).unsqueeze(1)
+            # d ce / d logits = softmax - onehot; d z / d logits = 2 * lse * softmax.
+            # The recomputed logits become the gradient in place: one [C, V] buffer.
+            g = (h_acc @ w_acc.t()).sub_(lse.unsqueeze(1)).exp_().mul_((gce + 2.0 * lse * gz).unsqueeze(1))
             g.scatter_add_(1, safe.unsqueeze(1), -gce.unsqueeze(1))
             if grad_h is not None:
-                grad_h[s:e] = g @ w.to(acc)
+                grad_h[s:e] = g @ w_acc
             if grad_w is not None:
-                grad_w += g.t() @ h[s:e].to(acc)
+                grad_w.addmm_(g.t(), h_acc)
+            del g
         return (
             None if grad_h is None else grad_h.to(h.dtype),
             None if grad_w is None else grad_w.to(w.dtype),
