@@ -35,77 +35,58 @@ class Loader(Protocol):
 
 
 def resolve_model_config(cfg) -> Any:
-    """Fill `model.vocab_size` (and `model.patch_token_id` when the model config has it) from
-    `DATA.tokenizer/tokenizer.json`. Returns a new RunConfig; explicit non-zero values must agree."""
+    """Fill the model fields the tokenizer decides (DESIGN 2.3): `vocab_size`, `patch_token_id`
+    (id of <|patch|>), `patch_dim` and `tubelet_dim`, from `data.tokenizer/tokenizer.json`.
+    Returns a new RunConfig. A value set explicitly to something else is an error."""
     tok_dir = cfg.data.tokenizer
     if not tok_dir:
         if cfg.model.vocab_size <= 0:
             raise ValueError("model.vocab_size is 0 and data.tokenizer is empty: set data.tokenizer to a "
                              "folder made by `omniloom tokenizer train` (it fills the vocabulary size)")
         return cfg
-    path = Path(tok_dir) / "tokenizer.json"
+    path = Path(tok_dir)
+    path = path if path.suffix == ".json" else path / "tokenizer.json"
     if not path.exists():
         raise FileNotFoundError(f"data.tokenizer={tok_dir}: no tokenizer.json there; train one with "
                                 "`omniloom tokenizer train`")
     info = json.loads(path.read_text())
-    vocab = int(info.get("vocab_size") or 0)
-    specials = info.get("special_ids") or info.get("specials") or {}
+    specials = info.get("special_ids") or {}
+    found = {"vocab_size": info.get("vocab_size"), "patch_token_id": specials.get("patch"),
+             "patch_dim": info.get("patch_dim"), "tubelet_dim": info.get("tubelet_dim")}
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg.model)}
     updates: dict[str, Any] = {}
-    if vocab:
-        if cfg.model.vocab_size and cfg.model.vocab_size != vocab:
-            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} but {path} says {vocab}; drop the override")
-        updates["vocab_size"] = vocab
-    names = {f.name for f in dataclasses.fields(cfg.model)}
-    patch_id = info.get("patch_token_id", specials.get("<|patch|>") if isinstance(specials, dict) else None)
-    if "patch_token_id" in names and patch_id is not None:
-        updates["patch_token_id"] = int(patch_id)
-    model_cfg = dataclasses.replace(cfg.model, **updates)
-    return dataclasses.replace(cfg, model=model_cfg)
+    for name, value in found.items():
+        if value is None or name not in defaults:
+            continue
+        current = getattr(cfg.model, name)
+        if current not in (defaults[name], int(value)) and name in ("vocab_size", "patch_token_id"):
+            raise ValueError(f"model.{name}={current} but {path} says {value}; drop the override "
+                             "(the tokenizer decides it)")
+        if current != int(value) and current != defaults[name]:
+            log.warning("model.%s=%s replaced by %s from %s", name, current, value, path)
+        updates[name] = int(value)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **updates))
 
 
 def build_model(cfg) -> torch.nn.Module:
     """The real model, on CPU in fp32 (the trainer moves and wraps it)."""
-    try:
-        from omniloom.model import OmniModel
-    except ImportError as err:
-        raise ValueError("omniloom.model.OmniModel is not available in this install; "
-                         "update the checkout (the model package provides it)") from err
+    from omniloom.model import OmniModel
+
     return OmniModel(cfg.model)
 
 
 def build_loader(cfg, split: str, rank: int, world_size: int) -> Loader | None:
-    """The data stream for `split` ('train' or 'eval') on this rank, or None for 'eval' when
-    `data.eval_sources` is empty."""
-    sources = cfg.data.sources if split == "train" else cfg.data.eval_sources
-    if not sources:
-        if split == "train":
-            raise ValueError("data.sources is empty: point it at shards made by `omniloom data build`, "
-                             "e.g. data.sources='[{path: shards/train}]'")
-        return None
-    try:
-        from omniloom.data import stream
-        from omniloom.tokenizers import Tokenizer
-    except ImportError as err:
-        raise ValueError("the data stream (omniloom.data.stream) or the tokenizer is not available in "
-                         "this install; update the checkout") from err
-    tokenizer = Tokenizer.load(cfg.data.tokenizer)
-    data_cfg = cfg.data if split == "train" else dataclasses.replace(cfg.data, sources=list(cfg.data.eval_sources))
-    kwargs = {}
+    """The data stream for `split` on this rank: 'train' is endless; 'eval' is a finite pass of
+    `train.eval_steps` batches over `data.eval_sources` (None when there are none)."""
+    from omniloom.data.stream import build_loader as stream_loader
+
     if split == "eval":
-        kwargs = _eval_kwargs(stream.build_loader)
-    return stream.build_loader(data_cfg, tokenizer, rank, world_size, **kwargs)
-
-
-def _eval_kwargs(fn) -> dict:
-    """Held-out data is read once, in order, without shuffling, where the stream supports it."""
-    import inspect
-
-    params = inspect.signature(fn).parameters
-    out = {}
-    for name, value in (("shuffle", False), ("loop", False), ("infinite", False), ("split", "eval")):
-        if name in params:
-            out[name] = value
-    return out
+        if not cfg.data.eval_sources:
+            return None
+        return stream_loader(cfg.data, rank=rank, world_size=world_size, split="eval",
+                             max_batches=cfg.train.eval_steps)
+    return stream_loader(cfg.data, rank=rank, world_size=world_size, split="train",
+                         pin_memory=torch.cuda.is_available())
 
 
 def forward(model: torch.nn.Module, batch) -> Any:
@@ -129,6 +110,7 @@ class StepStats:
     ce_loss: torch.Tensor
     z_loss: torch.Tensor
     aux_loss: torch.Tensor
+    router_z_loss: torch.Tensor
     ce_sum_M: torch.Tensor
     count_M: torch.Tensor
     out_norm: torch.Tensor
@@ -155,10 +137,11 @@ def read_output(out) -> tuple[torch.Tensor, StepStats]:
         loss=loss.detach().float(),
         ce_loss=scalar("ce_loss"),
         z_loss=scalar("z_loss"),
-        aux_loss=scalar("aux_loss", "moe_aux_loss"),
-        ce_sum_M=vec("ce_sum_per_modality", "ce_sum_M", "modality_ce_sum", "ce_sums"),
-        count_M=vec("count_per_modality", "count_M", "modality_count", "ce_counts", "token_count_M"),
-        out_norm=scalar("final_norm", "output_norm", "final_hidden_norm", "out_norm"),
+        aux_loss=scalar("aux_loss"),
+        router_z_loss=scalar("router_z_loss"),
+        ce_sum_M=vec("ce_sum_by_modality"),
+        count_M=vec("tokens_by_modality"),
+        out_norm=scalar("output_rms"),
         expert_counts_LME=None if counts is None else counts.detach().float(),
     )
     return loss, stats

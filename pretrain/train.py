@@ -35,8 +35,12 @@ from .parallel import apply_parallelism, seed_everything, set_deterministic
 
 log = logging.getLogger("omniloom.train")
 
-# One all-reduced vector per step: [loss, ce, z, aux, out_norm, stop, tokens, ce_sum_M(5), count_M(5)].
-_NSCALAR = 7
+# One all-reduced vector per step: the MEAN_KEYS (averaged over ranks), the SUM_KEYS, then the
+# per-modality CE sums and label counts (summed).
+MEAN_KEYS = ("loss", "ce_loss", "z_loss", "aux_loss", "router_z_loss", "out_norm")
+SUM_KEYS = ("stop", "tokens")
+_NSCALAR = len(MEAN_KEYS) + len(SUM_KEYS)
+_STOP = MEAN_KEYS.__len__() + SUM_KEYS.index("stop")
 
 
 @dataclasses.dataclass
@@ -197,19 +201,17 @@ class Trainer:
                     loss, st = B.read_output(B.forward(self.model, batch))
                 with self.timer.phase("backward"):
                     acc.backward(loss / accum)
-            acc_vec += torch.cat([torch.stack([st.loss / accum, st.ce_loss / accum, st.z_loss / accum,
-                                               st.aux_loss / accum, st.out_norm / accum]).to(self.device),
-                                  torch.tensor([0.0, float(batch.input_ids.numel())], device=self.device),
-                                  st.ce_sum_M.to(self.device), st.count_M.to(self.device)])
+            means = torch.stack([getattr(st, k) for k in MEAN_KEYS]).to(self.device) / accum
+            sums = torch.tensor([0.0, float(batch.input_ids.numel())], device=self.device)
+            acc_vec += torch.cat([means, sums, st.ce_sum_M.to(self.device), st.count_M.to(self.device)])
             if st.expert_counts_LME is not None:
                 counts_LME = st.expert_counts_LME if counts_LME is None else counts_LME + st.expert_counts_LME
         with self.timer.phase("optimizer"):
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
             grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
-            acc_vec[5] = 1.0 if self.shutdown.requested else 0.0
-            # Mean over ranks for losses; sum for the stop flag, tokens and per-modality sums.
+            acc_vec[_STOP] = 1.0 if self.shutdown.requested else 0.0
             reduced = acc.reduce(acc_vec, reduction="sum")
-            reduced[:5] /= acc.num_processes
+            reduced[:len(MEAN_KEYS)] /= acc.num_processes
             if counts_LME is not None:
                 counts_LME = acc.reduce(counts_LME.to(self.device), reduction="sum")
         self._grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
@@ -229,10 +231,10 @@ class Trainer:
     def _unpack(self, vec: torch.Tensor) -> dict:
         v = vec.detach().double().cpu()
         m = B.NUM_MODALITIES
-        return {"loss": float(v[0]), "ce_loss": float(v[1]), "z_loss": float(v[2]), "aux_loss": float(v[3]),
-                "out_norm": float(v[4]), "stop": float(v[5]), "tokens": float(v[6]),
-                "ce_sum_M": v[_NSCALAR:_NSCALAR + m], "count_M": v[_NSCALAR + m:_NSCALAR + 2 * m],
-                "grad_norm": self._grad_norm}
+        out = {k: float(v[i]) for i, k in enumerate(MEAN_KEYS + SUM_KEYS)}
+        out.update(ce_sum_M=v[_NSCALAR:_NSCALAR + m], count_M=v[_NSCALAR + m:_NSCALAR + 2 * m],
+                   grad_norm=self._grad_norm)
+        return out
 
     def _update_router_biases(self, counts_LME: torch.Tensor | None) -> None:
         model = self.acc.unwrap_model(self.model)
@@ -247,8 +249,8 @@ class Trainer:
     def _window_metrics(self, w: "_Window") -> dict:
         """Averages over the steps since the last log line."""
         n = max(1, w.steps)
-        out = {"ce_loss": w.sums["ce_loss"] / n, "z_loss": w.sums["z_loss"] / n,
-               "aux_loss": w.sums["aux_loss"] / n, "final_out_norm": w.sums["out_norm"] / n}
+        out = {k: w.sums[k] / n for k in ("ce_loss", "z_loss", "aux_loss", "router_z_loss")}
+        out["final_out_rms"] = w.sums["out_norm"] / n
         out.update(per_modality_losses(w.ce_sum_M, w.count_M, "loss"))
         tokens_per_s = w.tokens / max(w.wall, 1e-9)
         out["tokens_per_s"] = tokens_per_s
@@ -319,7 +321,7 @@ class _Window:
 
     def __init__(self):
         self.steps, self.wall, self.tokens = 0, 0.0, 0.0
-        self.sums = {"ce_loss": 0.0, "z_loss": 0.0, "aux_loss": 0.0, "out_norm": 0.0}
+        self.sums = {k: 0.0 for k in MEAN_KEYS if k != "loss"}
         self.ce_sum_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
         self.count_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
         self.counts_LME = None

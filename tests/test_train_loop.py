@@ -187,7 +187,7 @@ def test_loss_falls_and_metrics_are_logged(tmp_path):
     assert [r["step"] for r in train_rows] == list(range(1, 31))
     full = [r for r in train_rows if "tokens_per_s" in r]
     assert [r["step"] for r in full] == [5, 10, 15, 20, 25, 30]
-    for key in ("loss/text", "loss/code", "loss/special", "z_loss", "grad_norm", "lr", "final_out_norm",
+    for key in ("loss/text", "loss/code", "loss/special", "z_loss", "grad_norm", "lr", "final_out_rms",
                 "data_wait_fraction", "time/forward_s", "time/backward_s", "time/optimizer_s",
                 "moe/max_over_mean", "data/skipped_samples"):
         assert key in full[-1], key

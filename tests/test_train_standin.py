@@ -162,9 +162,9 @@ class StandinModel(torch.nn.Module):
         mod_BS = modality.long()
         ce_sum = torch.zeros(5, device=loss.device).index_add_(0, mod_BS[valid_BS], ce_BS[valid_BS].detach())
         count = torch.bincount(mod_BS[valid_BS], minlength=5).float()
-        return SimpleNamespace(loss=loss, ce_loss=ce.detach(), z_loss=z_loss.detach(), ce_sum_per_modality=ce_sum,
-                               count_per_modality=count, expert_counts=torch.stack(counts),
-                               final_norm=h_BSD.detach().norm(dim=-1).mean())
+        return SimpleNamespace(loss=loss, ce_loss=ce.detach(), z_loss=z_loss.detach(), ce_sum_by_modality=ce_sum,
+                               tokens_by_modality=count, expert_counts=torch.stack(counts),
+                               output_rms=x_BSD.detach().pow(2).mean().sqrt())
 
     @torch.no_grad()
     def update_router_biases(self, counts_LME):
