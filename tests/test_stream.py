@@ -1,0 +1,196 @@
+"""The unified stream (data/stream.py, data/reader.py): splitting, mixing, bad data, exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+
+from omniloom.data.config import DataConfig, SourceConfig, check_visual_budget
+from omniloom.data.reader import SampleReader, resolve_source
+from omniloom.data.stream import WorkerStream, build_loader
+from omniloom.data.stream_bench import SyntheticTokenizer, synthetic_documents, write_shards
+
+TOK = SyntheticTokenizer()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Two shard sets: 'a' with 3 uneven shards (odd count), 'b' with 2."""
+    root = tmp_path_factory.mktemp("corpus")
+    a = write_shards(str(root / "a"), synthetic_documents(45, seed=1, mean_text=120), name="a",
+                     docs_per_shard=[20, 14, 11])
+    b = write_shards(str(root / "b"), synthetic_documents(24, seed=2, mean_text=120), name="b",
+                     docs_per_shard=[12, 12])
+    return a, b
+
+
+def _cfg(sources, **kw):
+    base = dict(seq_len=256, batch_size=2, num_workers=2, shuffle_buffer=6, pack_buffer=6, seed=5)
+    base.update(kw)
+    return DataConfig(sources=[SourceConfig(path=p, weight=w) for p, w in sources], **base)
+
+
+def _digests(loader, n):
+    out = []
+    for batch in loader:
+        batch.validate()
+        out.append(batch.digest())
+        if len(out) == n:
+            break
+    return out
+
+
+def test_restore_mid_epoch_gives_identical_batches_with_two_workers(corpus):
+    a, b = corpus
+    cfg = _cfg([(a, 2.0), (b, 1.0)])
+    full = _digests(build_loader(cfg, TOK, patch_dim=TOK.tubelet_dim), 9)
+    first = build_loader(cfg, TOK, patch_dim=TOK.tubelet_dim)
+    head = _digests(first, 5)  # odd: the next batch is due from worker 1, not worker 0
+    state = json.loads(json.dumps(first.state_dict()))  # survives a JSON round trip
+    assert all(w["shuffle"] and w["packer"] for w in state["workers"]), "buffers must be non-empty mid-epoch"
+    resumed = build_loader(cfg, TOK, patch_dim=TOK.tubelet_dim)
+    resumed.load_state_dict(state)
+    assert head + _digests(resumed, 4) == full
+    assert len(set(full)) == len(full)
+
+
+def test_restore_refuses_another_layout_or_config(corpus):
+    a, _ = corpus
+    loader = build_loader(_cfg([(a, 1.0)]), TOK, patch_dim=TOK.tubelet_dim)
+    _digests(loader, 1)
+    state = loader.state_dict()
+    with pytest.raises(ValueError, match="num_workers=2.*num_workers=1"):
+        build_loader(_cfg([(a, 1.0)], num_workers=1), TOK, patch_dim=TOK.tubelet_dim).load_state_dict(state)
+    with pytest.raises(ValueError, match="seq_len"):
+        build_loader(_cfg([(a, 1.0)], seq_len=128), TOK, patch_dim=TOK.tubelet_dim).load_state_dict(state)
+    with pytest.raises(ValueError, match="rank 0 given to rank 1"):
+        build_loader(_cfg([(a, 1.0)]), TOK, patch_dim=TOK.tubelet_dim, rank=1,
+                     world_size=1 + 1).load_state_dict({**state, "fingerprint": {**state["fingerprint"],
+                                                                                  "world_size": 2}})
+
+
+def test_slots_partition_every_epoch_with_an_odd_shard_count(corpus):
+    """4 slots (2 ranks x 2 workers) over 3 uneven shards: each sample once per epoch, ranges +-1."""
+    a, _ = corpus
+    cfg = _cfg([(a, 1.0)])
+    sets = [resolve_source(SourceConfig(path=a))]
+    for epoch in (0, 1):
+        seen, sizes = [], []
+        for slot in range(4):
+            cur = WorkerStream(sets, cfg, TOK, slot=slot, num_slots=4, pad_id=0, patch_dim=24).cursors[0]
+            sizes.append(cur.range_len)
+            seen += [cur.locate(epoch, p) for p in range(cur.range_len)]
+        assert sorted(seen) == sorted((s, i) for s, n in enumerate([20, 14, 11]) for i in range(n))
+        assert max(sizes) - min(sizes) <= 1
+    orders = [WorkerStream(sets, cfg, TOK, slot=0, num_slots=4, pad_id=0, patch_dim=24).cursors[0]._plan(e)[0]
+              for e in range(4)]
+    assert len({tuple(o) for o in orders}) > 1, "shard order must be reshuffled per epoch"
+
+
+def test_equal_batch_counts_per_rank_across_epoch_ends(corpus):
+    a, _ = corpus
+    cfg = _cfg([(a, 1.0)], num_workers=0, batch_size=1)
+    counts, epochs = [], []
+    for rank in range(2):
+        loader = build_loader(cfg, TOK, patch_dim=TOK.tubelet_dim, rank=rank, world_size=2, max_batches=60)
+        counts.append(len(_digests(loader, 10_000)))
+        epochs.append(loader.epochs()[a])
+    assert counts == [60, 60] and min(epochs) >= 1, "both ranks ran past an epoch end and kept pace"
+
+
+def test_mixture_weights_are_respected(corpus):
+    a, b = corpus
+    sets = [resolve_source(SourceConfig(path=a, weight=3.0)), resolve_source(SourceConfig(path=b, weight=1.0))]
+    stream = WorkerStream(sets, _cfg([(a, 3.0), (b, 1.0)]), TOK, slot=0, num_slots=1, pad_id=0, patch_dim=24)
+    n = 2000
+    from_a = sum(stream._draw_sample()[0][0] == 0 for _ in range(n))
+    assert abs(from_a / n - 0.75) < 0.035  # ~3.6 sigma of a binomial(2000, 0.75)
+
+
+def _corrupt_copy(src: str, dst: str) -> None:
+    """Copy a shard set, then break it: garbage doc.json in one sample, bad media in another,
+    the last shard truncated in the middle of its last sample."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    manifest = json.load(open(os.path.join(dst, "manifest.json")))
+    first = manifest["shards"][0]
+    path = os.path.join(dst, first["name"])
+    raw = bytearray(open(path, "rb").read())
+    body = first["samples"][1]["offset"] + 512  # first member (doc.json) data of sample 1
+    raw[body:body + 8] = b"\x00garbage"
+    reader = SampleReader(resolve_source(SourceConfig(path=src)).shards)
+    for i in range(2, first["num_samples"]):
+        doc, media = reader.read_document(0, i)
+        if media:  # overwrite the synthetic header of this sample's first media member
+            pos = raw.find(next(iter(media.values()))[:9], first["samples"][i]["offset"])
+            raw[pos:pos + 3] = b"BAD"
+            break
+    open(path, "wb").write(bytes(raw))
+    last = manifest["shards"][-1]
+    path = os.path.join(dst, last["name"])
+    os.truncate(path, last["samples"][-1]["offset"] + 700)
+
+
+def test_bad_data_is_skipped_and_counted(corpus, tmp_path):
+    a, _ = corpus
+    bad = str(tmp_path / "bad")
+    _corrupt_copy(a, bad)
+    loader = build_loader(_cfg([(bad, 1.0)], num_workers=0, batch_size=4), TOK, patch_dim=TOK.tubelet_dim,
+                          max_batches=30)  # past one epoch: every sample was tried
+    assert len(_digests(loader, 100)) == 30
+    assert loader.epochs()[bad] >= 1
+    skipped = loader.skipped()
+    assert skipped.get("bad_doc_json", 0) >= 1, skipped
+    assert skipped.get("undecodable", 0) >= 1, skipped
+    assert skipped.get("truncated_shard", 0) + skipped.get("corrupt_tar", 0) >= 1, skipped
+    m = loader.metrics()
+    assert m["skipped_total"] == sum(skipped.values())
+    for key in ("samples_per_s", "tokens_per_s", "padding_fraction", "token_share/text", "token_share/image"):
+        assert key in m
+    assert 0 <= m["padding_fraction"] < 0.5 and abs(sum(v for k, v in m.items() if k.startswith("token_share")) - 1) < 1e-6
+
+
+def test_errors_at_start(corpus, tmp_path):
+    a, _ = corpus
+    with pytest.raises(ValueError, match="sources is empty"):
+        build_loader(DataConfig(), TOK, patch_dim=24)
+    missing = str(tmp_path / "missing")
+    import shutil
+
+    shutil.copytree(a, missing)
+    os.remove(os.path.join(missing, "a-000001.tar"))
+    with pytest.raises(FileNotFoundError, match="a-000001.tar"):
+        build_loader(_cfg([(missing, 1.0)]), TOK, patch_dim=24)
+    empty = write_shards(str(tmp_path / "empty"), iter(()), name="e")
+    with pytest.raises(ValueError, match="zero samples"):
+        build_loader(_cfg([(empty, 1.0)]), TOK, patch_dim=24)
+    with pytest.raises(FileNotFoundError, match="manifest"):
+        build_loader(_cfg([(str(tmp_path), 1.0)]), TOK, patch_dim=24)
+    with pytest.raises(ValueError, match="weight"):
+        SourceConfig(path=a, weight=0)
+
+
+def test_brace_pattern_and_explicit_manifest(corpus):
+    a, _ = corpus
+    by_pattern = resolve_source(SourceConfig(path=os.path.join(a, "a-{000000..000001}.tar")))
+    assert [s.name for s in by_pattern.shards] == ["a-000000.tar", "a-000001.tar"]
+    assert by_pattern.num_samples == 34
+    pipe = resolve_source(SourceConfig(path=f"pipe:cat {a}/a-000002.tar", manifest=os.path.join(a, "manifest.json")))
+    assert pipe.num_samples == 11
+    doc, media = SampleReader(pipe.shards).read_document(0, 3)  # streamed, skipping to the offset
+    local = SampleReader(resolve_source(SourceConfig(path=a)).shards).read_document(2, 3)
+    assert (doc, media) == local
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        indexed = resolve_source(SourceConfig(path=f"pipe:cat {a}/a-000002.tar"))
+    assert indexed.shards[0].offsets == pipe.shards[0].offsets
+
+
+def test_visual_budget_warning():
+    with pytest.warns(UserWarning, match="seq_len=256 cannot hold the largest video block"):
+        check_visual_budget(256, max_image_patches=200, max_video_patches=512)
+    assert check_visual_budget(4096, max_image_patches=256, max_video_patches=1024) == []
