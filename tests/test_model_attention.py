@@ -1,0 +1,121 @@
+"""Attention: every CPU backend matches the dense sdpa reference; the mask rule holds per kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omniloom.model.attention import AttnContext, check_backend
+from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
+from omniloom.model.masks import build_mask_info, dense_mask, select_blocks
+from omniloom.model.synthetic import random_packed_batch
+
+
+def tiny_cfg(**att) -> ModelConfig:
+    return ModelConfig(
+        dim=32, num_layers=1, num_heads=4, num_kv_heads=2, vocab_size=64, patch_token_id=63,
+        rope_sections=(2, 2, 4), patch_dim=12, tubelet_dim=24,
+        attention=AttentionConfig(**{"window": 12, "block_size": 8, "num_selected_blocks": 3, **att}),
+        moe=MoEConfig(num_experts=0, dense_dim=32),
+    )
+
+
+def batch_fields(seq_len=90, seed=0):
+    batch = random_packed_batch(tiny_cfg(), batch_size=2, seq_len=seq_len, docs_per_row=3, seed=seed)
+    return batch["doc_ids"], batch["block_ids"]
+
+
+@pytest.mark.parametrize("kind", ["L", "G", "B"])
+def test_blocksparse_matches_sdpa_forward_and_backward(kind):
+    doc, blk = batch_fields()  # 90 tokens: not a multiple of the block size (padding path)
+    assert (blk >= 0).any() and doc.max() >= 2
+    info = build_mask_info(doc, blk, block_size=8, window=12)
+    g = torch.Generator().manual_seed(1)
+    B, S = doc.shape
+    q = torch.randn(B, 4, S, 16, generator=g, requires_grad=True)
+    k = torch.randn(B, 2, S, 16, generator=g, requires_grad=True)
+    v = torch.randn(B, 2, S, 16, generator=g, requires_grad=True)
+    w = torch.randn(B, 4, S, 16, generator=g)
+    results = []
+    for backend in ("sdpa", "blocksparse"):
+        out = AttnContext(info, backend, 3, q.device).attend(q, k, v, kind)
+        results.append((out, *torch.autograd.grad((out * w).sum(), (q, k, v))))
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref)
+
+
+def test_mask_rule_documents_causality_visual_blocks_and_window():
+    doc = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
+    blk = torch.tensor([[-1, 0, 0, 0, -1, -1, -1, 1, 1, -1]])
+    info = build_mask_info(doc, blk, block_size=4, window=2)
+    g = dense_mask(info, "G")[0, 0]
+    assert g[5, 4] and not g[4, 5]  # text causal
+    assert g[1, 3] and g[3, 1] and not g[0, 1]  # image bidirectional inside, text before it causal
+    assert not g[6, 5] and not g[7, 2]  # documents isolated
+    assert g[7, 8] and not g[6, 7]
+    local = dense_mask(info, "L")[0, 0]
+    assert local[5, 4] and not local[5, 3]  # window 2: |i - j| < 2
+    assert torch.equal(local, g & ((torch.arange(10)[:, None] - torch.arange(10)[None]).abs() < 2))
+    assert dense_mask(info, "G")[0, 0].diagonal().all()
+
+
+def test_window_layer_ignores_keys_outside_the_window():
+    doc = torch.zeros(1, 64, dtype=torch.int32)
+    blk = torch.full((1, 64), -1, dtype=torch.int32)
+    info = build_mask_info(doc, blk, block_size=8, window=12)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 64, 8, generator=g) for h in (2, 1, 1))
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :40] += 5.0  # keys more than 11 tokens before query 51..63
+    v2[:, :, :40] -= 3.0
+    for backend in ("sdpa", "blocksparse"):
+        ctx = AttnContext(info, backend, 3, q.device)
+        a, b = ctx.attend(q, k, v, "L"), ctx.attend(q, k2, v2, "L")
+        torch.testing.assert_close(a[:, :, 51:], b[:, :, 51:])
+        assert not torch.allclose(a[:, :, 45:51], b[:, :, 45:51])
+
+
+def test_block_selection_keeps_own_block_is_causal_and_bounded():
+    doc, blk = batch_fields(seq_len=96)
+    info = build_mask_info(doc, blk, block_size=8, window=12)
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 4, 96, 16, generator=g), torch.randn(2, 2, 96, 16, generator=g)
+    sel = select_blocks(info, q, k, num_selected=3)  # [B, K, Sp, nb]
+    idx = torch.arange(96)
+    assert sel[:, :, idx, idx // 8].all()  # own block always kept
+    text = blk < 0
+    # past-only choice for text: nothing after the own block
+    later = sel & (torch.arange(sel.shape[-1]) > (idx // 8)[:, None])
+    assert not later[:, :, :96][text[:, None].expand(-1, 2, -1)].any()
+    # choice for a query does not move when a later key changes (causal scoring)
+    k2 = k.clone()
+    k2[:, :, 60:] = torch.randn(2, 2, 36, 16, generator=g) * 10
+    sel2 = select_blocks(info, q, k2, num_selected=3)
+    assert torch.equal(sel[:, :, :56], sel2[:, :, :56])
+
+
+def test_backend_errors_say_what_to_choose():
+    with pytest.raises(ValueError, match="choose one of"):
+        check_backend("dense")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="blocksparse"):
+            check_backend("flex")
+        with pytest.raises(ValueError, match="CUDA"):
+            check_backend("flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["L", "G", "B"])
+def test_flex_matches_sdpa_on_cuda(kind):
+    doc, blk = batch_fields(seq_len=256)
+    info = build_mask_info(doc.cuda(), blk.cuda(), block_size=16, window=40)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 4, 256, 16, device="cuda", generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 256, 16, device="cuda", generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 256, 16, device="cuda", generator=g, requires_grad=True)
+    results = []
+    for backend in ("sdpa", "flex"):
+        out = AttnContext(info, backend, 3, q.device).attend(q, k, v, kind)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
