@@ -40,6 +40,9 @@ class TokenizedDoc:
     positions_3L: np.ndarray  # int32 [3, L] (t, h, w)
     blocks: list[VisualBlock] = field(default_factory=list)
     key: str = ""
+    # counters from tokenizing (video decode errors, media dropped with media_errors="drop"), for
+    # the loader's logs; empty when nothing happened
+    stats: dict[str, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.ids_L.shape[0])

@@ -10,7 +10,7 @@ import difflib
 from dataclasses import asdict, dataclass, fields
 
 VIDEO_SAMPLING = ("clip", "spread")
-PATCH_DTYPES = ("float32", "float16", "bfloat16")
+PATCH_DTYPES = ("float32", "float16")  # numpy has no bfloat16; cast on the device
 
 
 class DocumentError(ValueError):
@@ -57,6 +57,7 @@ class MediaSettings:
     patch_dtype: str = "float32"
     max_image_pixels: int = 100_000_000  # decompression-bomb guard, checked before decoding
     alpha_background: tuple[int, int, int] = (255, 255, 255)  # transparent pixels become this
+    jpeg_draft: bool = True  # let libjpeg downscale by 1/2..1/8 while decoding (much faster, near-identical pixels)
 
     def __post_init__(self):
         problems = []

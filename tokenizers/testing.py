@@ -144,7 +144,7 @@ def make_image_bytes(width: int, height: int, mode: str = "RGB", fmt: str = "PNG
     img = Image.fromarray(rgb, "RGB")
     if mode == "I;16":
         arr = (rgb[..., 0].astype(np.uint16) * 257)
-        img = Image.fromarray(arr, "I;16")
+        img = Image.fromarray(arr)  # uint16 -> mode I;16
     elif mode == "RGBA":
         alpha = np.clip(255 * xx / max(1, width - 1), 0, 255).astype(np.uint8)
         img = Image.fromarray(np.dstack([rgb, alpha]), "RGBA")

@@ -1,0 +1,283 @@
+"""Videos to tubelet vectors with PyAV (DESIGN 2.2).
+
+Legend: F sampled frames, H, W pixels, T = ceil(F / tp) tubelet groups, h, w patch grid,
+N = T*h*w tubelets, D = 3*tp*p*p.
+
+Frames are sampled by timestamp, not by index, so variable-frame-rate streams and containers
+without a recorded duration work: target times are k / fps from the first frame; each target gets
+the latest frame shown at or before it (a source slower than fps repeats frames, keeping time
+uniform). Decoding is packet by packet so a corrupt packet costs only its frames; it stops as soon
+as the frame budget is filled (`clip`), and `spread` sampling of a long video seeks to each target
+instead of decoding everything in between.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omniloom.tokenizers.image import fit_grid, frames_to_patches, patches_to_frames
+from omniloom.tokenizers.settings import MediaError, MediaSettings
+
+log = logging.getLogger(__name__)
+
+MAX_DECODE_ERRORS = 64  # a stream this broken is given up (its good frames so far are kept)
+SEEK_MIN_GAP_S = 4.0  # spread sampling seeks when targets are further apart than this
+
+
+@dataclass
+class VideoInfo:
+    """What decoding one video did: sampled timestamps (s from the first frame), errors, work."""
+
+    timestamps: list[float] = field(default_factory=list)
+    decode_errors: int = 0
+    frames_decoded: int = 0
+    seeks: int = 0
+    duration: float | None = None
+    source_size: tuple[int, int] = (0, 0)  # (width, height)
+
+
+def _open(data: bytes):
+    import av
+
+    if not data:
+        raise MediaError("empty", "video has zero bytes")
+    try:
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    except (av.FFmpegError, ValueError, OSError) as err:
+        raise MediaError("undecodable", f"not a readable video container: {err}") from err
+    if not container.streams.video:
+        container.close()
+        raise MediaError("no_video_stream", "container has no video stream")
+    return container
+
+
+def _duration(container, stream) -> float | None:
+    """Duration in seconds from stream or container headers, None when neither records one."""
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if container.duration:
+        return container.duration / 1_000_000  # AV_TIME_BASE
+    return None
+
+
+def _scan_duration(data: bytes) -> float | None:
+    """Duration from packet timestamps (demux only, no decoding): for containers without one."""
+    import av
+
+    container = _open(data)
+    end = None
+    try:
+        stream = container.streams.video[0]
+        tb = stream.time_base
+        first = None
+        for packet in container.demux(stream):
+            if packet.pts is None:
+                continue
+            t = float(packet.pts * tb)
+            first = t if first is None else min(first, t)
+            t_end = t + float((packet.duration or 0) * tb)
+            end = t_end if end is None else max(end, t_end)
+        if end is not None and first is not None:
+            end -= first
+    except av.FFmpegError:
+        pass  # a duration from the packets read so far is still a good estimate
+    finally:
+        container.close()
+    return end
+
+
+class _Sampler:
+    """Assigns decoded frames to target times: each target gets the latest frame at or before it."""
+
+    def __init__(self, targets: list[float], size: tuple[int, int]):
+        self.targets, self.size = targets, size
+        self.k = 0
+        self.prev = None  # (time, av.VideoFrame)
+        self.frames: list[np.ndarray] = []
+        self.times: list[float] = []
+        self._cache: tuple[object, np.ndarray] | None = None  # (frame, pixels): holding the frame keeps its id unique
+
+    @property
+    def done(self) -> bool:
+        return self.k >= len(self.targets)
+
+    def _take(self, t: float, frame) -> None:
+        if self._cache is None or self._cache[0] is not frame:
+            w, h = self.size
+            self._cache = (frame, frame.to_ndarray(width=w, height=h, format="rgb24", interpolation="AREA"))  # area averaging: antialiased downscaling, cheapest in swscale
+        self.frames.append(self._cache[1])
+        self.times.append(t)
+        self.k += 1
+
+    def push(self, t: float, frame) -> None:
+        while not self.done and self.targets[self.k] < t - 1e-6:
+            # target falls before this frame: the previous frame was on screen then (or, before
+            # the first frame, this one is the nearest)
+            self._take(*(self.prev or (t, frame)))
+        self.prev = (t, frame)
+
+    def finish(self, end_time: float) -> None:
+        """Stream ended: targets up to the end of the last frame get the last frame."""
+        while self.prev is not None and not self.done and self.targets[self.k] < end_time - 1e-6:
+            self._take(*self.prev)
+
+
+def _decode_packets(container, stream, sampler: _Sampler, info: VideoInfo, t0: float | None, stop_after: float | None = None) -> float | None:
+    """Decode packet by packet, feeding frames (time relative to t0) to the sampler. Returns t0
+    (the first frame's time when t0 was None) and stops when the sampler is done or a frame passes
+    stop_after. Corrupt packets are counted in info.decode_errors and skipped."""
+    import av
+
+    rate = float(stream.average_rate or stream.guessed_rate or 25)
+    last = None
+    demux = container.demux(stream)
+    while not sampler.done:
+        try:
+            packet = next(demux)
+        except StopIteration:
+            break
+        except av.FFmpegError as err:  # a broken container past this point: keep what we have
+            info.decode_errors += 1
+            log.debug("demux error after %d frames: %s", info.frames_decoded, err)
+            break
+        try:
+            frames = packet.decode()
+        except av.FFmpegError as err:
+            info.decode_errors += 1
+            log.debug("decode error in packet at pts %s: %s", packet.pts, err)
+            if info.decode_errors >= MAX_DECODE_ERRORS:
+                break
+            continue
+        for frame in frames:
+            info.frames_decoded += 1
+            t = frame.time
+            if t is None:  # no timestamps (raw streams): count frames at the nominal rate
+                t = (last + 1.0 / rate) if last is not None else 0.0
+            if t0 is None:
+                t0 = t
+            t -= t0
+            if last is not None and t < last:
+                t = last  # non-monotonic timestamps: never move backwards
+            last = t
+            sampler.push(t, frame)
+            if sampler.done or (stop_after is not None and t > stop_after):
+                return t0
+    if last is not None:
+        frame_dur = 1.0 / rate
+        if sampler.prev is not None and sampler.prev[1].duration and sampler.prev[1].time_base:
+            frame_dur = float(sampler.prev[1].duration * sampler.prev[1].time_base)
+        if stop_after is None:
+            sampler.finish(last + frame_dur)
+    return t0
+
+
+def decode_video(data: bytes, settings: MediaSettings) -> tuple[np.ndarray, VideoInfo]:
+    """Video bytes to uint8 frames [F, H, W, 3] (F <= video_frame_budget) sampled at video_fps,
+    resized to the patch grid for video_patch_budget. Raises MediaError when no frame decodes."""
+    import av
+
+    container = _open(data)
+    info = VideoInfo()
+    try:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"  # frame + slice threads
+        if settings.video_threads:
+            stream.thread_count = settings.video_threads
+        cc = stream.codec_context
+        width, height = cc.width, cc.height
+        if width < 1 or height < 1:
+            raise MediaError("undecodable", f"video stream reports size {width}x{height}")
+        info.source_size = (width, height)
+        gh, gw = fit_grid(height, width, settings.patch_size, settings.video_patch_budget)
+        size = (gw * settings.patch_size, gh * settings.patch_size)
+        info.duration = _duration(container, stream)
+        fps, budget = settings.video_fps, settings.video_frame_budget
+        tb = stream.time_base
+        start = float(stream.start_time * tb) if stream.start_time is not None and tb else 0.0
+        if settings.video_sampling == "spread":
+            if info.duration is None:
+                info.duration = _scan_duration(data)
+            natural = math.ceil((info.duration or 0) * fps - 1e-6)
+            if info.duration is not None and natural > budget:
+                targets = [info.duration * k / budget for k in range(budget)]
+                if info.duration / budget >= SEEK_MIN_GAP_S:
+                    sampler = _Sampler(targets, size)
+                    _spread_by_seeking(container, stream, sampler, info, start)
+                    return _finish(sampler, info)
+            else:
+                targets = [k / fps for k in range(budget)]
+            sampler = _Sampler(targets, size)
+            _decode_packets(container, stream, sampler, info, None)
+            return _finish(sampler, info)
+        # clip: budget frames at fps from clip_start, seeking there rather than decoding up to it
+        clip_start = settings.video_clip_start
+        targets = [clip_start + k / fps for k in range(budget)]
+        sampler = _Sampler(targets, size)
+        t0 = None
+        if clip_start > 0:
+            try:
+                container.seek(int((start + clip_start) / tb), stream=stream, backward=True)
+                info.seeks += 1
+                t0 = start
+            except av.FFmpegError:  # unseekable: decode from the start instead
+                pass
+        _decode_packets(container, stream, sampler, info, t0)
+        return _finish(sampler, info)
+    except av.FFmpegError as err:
+        raise MediaError("undecodable", f"video decode failed: {err}") from err
+    finally:
+        container.close()
+
+
+def _spread_by_seeking(container, stream, sampler: _Sampler, info: VideoInfo, start: float) -> None:
+    """Spread sampling of a long video: for each target, seek to the keyframe before it and decode
+    forward to it, instead of decoding the whole file."""
+    import av
+
+    tb = stream.time_base
+    targets = sampler.targets
+    for k, target in enumerate(targets):
+        if sampler.k > k:
+            continue
+        try:
+            container.seek(int((start + target) / tb), stream=stream, backward=True)
+            info.seeks += 1
+        except av.FFmpegError as err:
+            info.decode_errors += 1
+            log.debug("seek to %.2fs failed: %s", target, err)
+            continue
+        one = _Sampler([target], sampler.size)
+        _decode_packets(container, stream, one, info, start, stop_after=target)
+        if not one.done and one.prev is not None:  # the target is past the last frame: take the last one
+            one._take(*one.prev)
+        if one.frames:
+            sampler.frames.append(one.frames[0])
+            sampler.times.append(target)
+            sampler.k = k + 1
+
+
+def _finish(sampler: _Sampler, info: VideoInfo) -> tuple[np.ndarray, VideoInfo]:
+    if not sampler.frames:
+        if info.decode_errors:
+            raise MediaError("no_frames", f"no frame decoded ({info.decode_errors} decode errors)")
+        raise MediaError("no_frames", "video holds no decodable frame")
+    info.timestamps = list(sampler.times)
+    return np.stack(sampler.frames), info
+
+
+def video_to_tubelets(data: bytes, settings: MediaSettings) -> tuple[np.ndarray, tuple[int, int, int], VideoInfo]:
+    """Video bytes to tubelet vectors [N, 3*tp*p*p], grid (T, h, w) and the decode VideoInfo."""
+    frames_FHW3, info = decode_video(data, settings)
+    patches_ND, grid = frames_to_patches(frames_FHW3, settings, settings.temporal_patch_size)
+    return patches_ND, grid, info
+
+
+def tubelets_to_frames(patches_ND: np.ndarray, grid: tuple[int, int, int], settings: MediaSettings) -> np.ndarray:
+    """Inverse of video_to_tubelets for inspection and tests: uint8 [T*tp, H, W, 3] (a padded last
+    group repeats the last frame)."""
+    return patches_to_frames(patches_ND, grid, settings, settings.temporal_patch_size)
