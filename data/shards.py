@@ -36,6 +36,9 @@ JOURNAL = ".build-journal.jsonl"
 TAR_MTIME = 0
 _RECORD = tarfile.RECORDSIZE  # 10240: tar files are padded to whole records
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]+$")
+# Test hook: seconds to sleep after each written sample, so the kill -9 test can interrupt a build
+# mid-shard deterministically. Never set in normal use.
+_PAUSE_ENV = "OMNILOOM_TEST_BUILD_PAUSE"
 
 
 def _blocks(n: int) -> int:
@@ -108,7 +111,7 @@ def _process_chunk(units: list[Unit]) -> list[dict]:
     return [process_unit(u, _WORKER_SETTINGS) for u in units]
 
 
-def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, chunk: int = 4):
+def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, chunk: int = 8):
     """Yield process_unit results in unit order, computed by `workers` processes with a bounded
     number of chunks in flight (back-pressure: memory stays flat on big media)."""
     if workers <= 1:
@@ -205,6 +208,7 @@ def build(
     state = _Span(start)
     writer: DeterministicTarWriter | None = None
     bar = _Progress(len(units) - start, enabled=progress)
+    pause = float(os.environ.get(_PAUSE_ENV, "0") or 0)
     try:
         for i, res in enumerate(iter_results(units[start:], ingest, workers), start=start):
             bar.update(res)
@@ -227,6 +231,9 @@ def build(
                     if final_size(size) > shard_max_bytes:
                         log.warning("%s: one document (%d bytes) is larger than --shard-size; it gets a shard of its own", units[i].display, size)
                 writer.add_sample(res["key"], members)
+                if pause:
+                    writer.f.flush()
+                    time.sleep(pause)
                 if dedup:
                     seen[res["fingerprint"]] = res["key"]
                     state.fingerprints[res["fingerprint"]] = res["key"]

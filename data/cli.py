@@ -1,0 +1,228 @@
+"""`omniloom data build|merge|inspect|stats|verify` and `omniloom bench data` (data prep, DESIGN 2.1).
+
+Heavy imports (PIL, av, tqdm) happen inside the handlers so `omniloom --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+_BUILD_EPILOG = """\
+inputs:
+  folders are walked recursively (dot-names skipped, symlinked folders not followed):
+    .txt .md .rst              -> text documents
+    .py .c .cpp .rs .go .java .js .ts .sh .sql .yaml .json .toml ... -> code documents (language by extension)
+    .jpg .png .webp .gif .bmp .tiff  -> image documents; a sidecar STEM.txt / STEM.json is the caption
+    .mp4 .webm .mkv .mov .avi ... and anything else PyAV opens -> video documents (same sidecars)
+    .html                      -> one interleaved document: text blocks and local <img>/<video> in order
+    .jsonl                     -> one document per line: {"schema":1,"segments":[...]} or OBELICS
+                                  {"texts":[...],"images":[...]}; media paths relative to the JSONL file
+  media that an HTML page or JSONL record references is not also made a standalone document.
+
+policies:
+  text must be UTF-8 (--bad-utf8), NUL bytes reject the file (--nul); a UTF-8 BOM is removed.
+  media references must stay inside their SOURCE folder (no '..', no symlinks out).
+  a document with a bad media segment keeps the rest (--on-bad-media drop-segment) or is dropped.
+  exact duplicates (same normalized text and media bytes) are dropped (--no-dedup keeps them).
+  every rejection is a line of DIR/rejects.jsonl with the input path and the reason.
+
+output: DIR/NAME-000000.tar ... (WebDataset, one sample per document), DIR/manifest.json,
+DIR/rejects.jsonl. Same inputs and settings give byte-identical shards for any --workers.
+Interrupted (even kill -9)? Run the same command again: it resumes after the last finished shard.
+Many machines? Run `--part I/N --out DIR_I` for I = 0..N-1, then `omniloom data merge DIR_* --out DIR`.
+"""
+
+
+def _size(text: str) -> int:
+    """'512M', '1G', '64k', '1048576' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 1G, 1048576)")
+    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)])
+
+
+def register(sub) -> None:
+    """Add the `data` command group."""
+    data = sub.add_parser("data", help="prepare, merge, inspect and verify WebDataset shards",
+                          description="Data prep: raw text, code, images, videos and interleaved documents into WebDataset shards.")
+    dsub = data.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
+    data.set_defaults(func=lambda args: (data.print_help(), 2)[1])
+
+    b = dsub.add_parser("build", help="validate inputs and write shards + manifest + rejects",
+                        description="Validate every input and write WebDataset shards, manifest.json and rejects.jsonl.",
+                        epilog=_BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("sources", nargs="+", metavar="SOURCE", help="folders (walked recursively) or single files (.jsonl, .html, ...)")
+    b.add_argument("--out", required=True, help="output folder for shards, manifest.json, rejects.jsonl")
+    b.add_argument("--name", default="data", help="shard name prefix: NAME-000000.tar (default: data)")
+    b.add_argument("--workers", type=int, default=1, help="processes that decode and validate (output is identical for any value; default 1)")
+    b.add_argument("--part", default="0/1", help="build only part I of N (0-based, e.g. $SLURM_ARRAY_TASK_ID/8) into its own shard range; join with `data merge`")
+    b.add_argument("--shard-size", type=_size, default="1G", help="max bytes per shard (a larger single document gets its own shard; default 1G)")
+    b.add_argument("--shard-docs", type=int, default=10_000, help="max documents per shard (default 10000)")
+    b.add_argument("--on-bad-media", choices=("drop-segment", "drop-doc"), default="drop-segment", help="a bad media segment in an interleaved document drops just the segment (default) or the whole document")
+    b.add_argument("--no-dedup", action="store_true", help="keep exact duplicate documents")
+    b.add_argument("--standalone-referenced", action="store_true", help="also make media referenced by HTML/JSONL documents standalone image/video documents")
+    b.add_argument("--bad-utf8", choices=("reject", "replace"), default="reject", help="text that is not valid UTF-8: reject the file (default) or replace bad bytes with U+FFFD")
+    b.add_argument("--nul", choices=("reject", "strip"), default="reject", help="text with NUL bytes: reject it as binary (default) or strip the NULs")
+    b.add_argument("--max-text-bytes", type=_size, default="16M", help="largest text/code/HTML file or JSONL line (default 16M)")
+    b.add_argument("--max-image-pixels", type=int, default=8192 * 8192, help="decompression-bomb guard, checked before decoding (default 67108864 = 8192x8192)")
+    b.add_argument("--min-image-side", type=int, default=16, help="reject images whose shorter side is smaller (default 16)")
+    b.add_argument("--max-image-aspect", type=float, default=10.0, help="reject images with long/short side ratio above this (default 10)")
+    b.add_argument("--max-image-bytes", type=_size, default="64M", help="largest image file (default 64M)")
+    b.add_argument("--min-video-seconds", type=float, default=0.0, help="reject shorter videos (default 0)")
+    b.add_argument("--max-video-seconds", type=float, default=600.0, help="reject longer videos (default 600)")
+    b.add_argument("--min-video-side", type=int, default=16, help="reject videos whose shorter side is smaller (default 16)")
+    b.add_argument("--max-video-side", type=int, default=4096, help="reject videos whose longer side is larger (default 4096)")
+    b.add_argument("--max-video-bytes", type=_size, default="1G", help="largest video file (default 1G)")
+    b.add_argument("--overwrite", action="store_true", help="delete this build's previous outputs in --out (finished or not) and start over")
+    b.set_defaults(func=_build)
+
+    m = dsub.add_parser("merge", help="join the shard folders of a --part build into one dataset",
+                        description="Join part folders (from `data build --part I/N`) into one folder with contiguous shard names and one manifest.")
+    m.add_argument("parts", nargs="+", metavar="PART_DIR")
+    m.add_argument("--out", required=True, help="new folder for the merged dataset")
+    m.add_argument("--mode", choices=("link", "copy", "move"), default="link", help="how shards get there: hard link (default; copies across file systems), copy, or move")
+    m.add_argument("--name", default=None, help="shard name prefix of the merged set (default: the parts' name)")
+    m.add_argument("--allow-missing", action="store_true", help="merge even if some parts of the N are absent")
+    m.set_defaults(func=_merge)
+
+    i = dsub.add_parser("inspect", help="show documents as text, or as a self-contained HTML page",
+                        description="Show documents from a shard folder: text on stdout, or an HTML page with images inline and a frame strip per video.")
+    i.add_argument("dir", metavar="DIR")
+    g = i.add_mutually_exclusive_group()
+    g.add_argument("--key", help="the document with this sample key")
+    g.add_argument("--index", type=int, default=0, help="the document at this position in manifest order (default 0)")
+    i.add_argument("--count", type=int, default=None, help="how many documents from --index (default 1 on the terminal, 20 with --html)")
+    i.add_argument("--html", metavar="OUT", help="write a self-contained HTML page to OUT instead of printing")
+    i.set_defaults(func=_inspect)
+
+    s = dsub.add_parser("stats", help="per-modality counts, bytes, image-size and video-duration distributions",
+                        description="Summarize a shard folder (reads doc.json members only).")
+    s.add_argument("dir", metavar="DIR")
+    s.add_argument("--json", action="store_true", help="print the figures as JSON")
+    s.set_defaults(func=_stats)
+
+    v = dsub.add_parser("verify", help="check checksums, sample listing and decodability (exit 1 on problems)",
+                        description="Check every shard's size and sha256, that each sample is listed at its offset, that every doc.json is valid and its media decode. Exits 1 if anything is wrong.")
+    v.add_argument("dir", metavar="DIR")
+    v.add_argument("--no-media", action="store_true", help="skip decoding images and videos (faster)")
+    v.set_defaults(func=_verify)
+
+    try:
+        from .demo_corpus import register_demo_corpus
+    except ModuleNotFoundError as err:
+        if not (err.name or "").endswith("demo_corpus"):
+            raise
+    else:
+        register_demo_corpus(dsub)
+
+
+def register_bench(bench_sub) -> None:
+    """Add `omniloom bench data`."""
+    p = bench_sub.add_parser("data", help="data build throughput (docs/s, MB/s) for 1 and 2 workers",
+                             description="Generate a corpus of text, code, images and videos, build it with each worker count, and print docs/s and MB/s, with the speedup over 1 worker.")
+    p.add_argument("--docs", type=int, default=240, help="approximate number of input documents to generate (default 240)")
+    p.add_argument("--workers", default="1,2", help="comma-separated worker counts; the first is the reference (default 1,2)")
+    p.add_argument("--image-size", type=int, default=256, help="side of generated images in pixels (default 256)")
+    p.add_argument("--keep", metavar="DIR", help="generate and build under DIR and keep it (default: a temp folder, removed)")
+    p.set_defaults(func=_bench)
+
+
+def _progress(args) -> bool:
+    return getattr(args, "quiet", 0) == 0 and sys.stderr.isatty()
+
+
+def _build(args) -> int:
+    from .ingest import IngestSettings
+    from .media import MediaLimits
+    from .shards import build, parse_part
+    from .validate import TextPolicy
+
+    ingest = IngestSettings(
+        text=TextPolicy(bad_utf8=args.bad_utf8, nul=args.nul, max_bytes=args.max_text_bytes),
+        limits=MediaLimits(
+            max_image_pixels=args.max_image_pixels, min_image_side=args.min_image_side, max_image_aspect=args.max_image_aspect,
+            max_image_bytes=args.max_image_bytes, min_video_seconds=args.min_video_seconds, max_video_seconds=args.max_video_seconds,
+            min_video_side=args.min_video_side, max_video_side=args.max_video_side, max_video_bytes=args.max_video_bytes,
+        ),
+        on_bad_media=args.on_bad_media,
+    )
+    summary = build(
+        args.sources, args.out, name=args.name, workers=args.workers, part=parse_part(args.part),
+        shard_max_docs=args.shard_docs, shard_max_bytes=args.shard_size, dedup=not args.no_dedup, ingest=ingest,
+        standalone_referenced=args.standalone_referenced, overwrite=args.overwrite, progress=_progress(args),
+    )
+    print(format_summary(args.out, summary))
+    return 0
+
+
+def format_summary(out: str, s: dict) -> str:
+    """The build summary printed at the end of `data build`."""
+    if s.get("already"):
+        return f"{out}: already complete ({s['documents']} documents in {s['shards']} shards); nothing to do"
+    secs = max(s["seconds"], 1e-9)
+    lines = [
+        f"{out}: {s['documents']} documents from {s['units']} inputs in {s['shards']} shards, {s['bytes'] / 1e6:.2f} MB"
+        f" in {s['seconds']:.1f}s ({s['documents'] / secs:.1f} docs/s, {s['bytes'] / secs / 1e6:.2f} MB/s){' (resumed)' if s.get('resumed') else ''}",
+        "segments: " + ", ".join(f"{k} {v}" for k, v in s["segments"].items()),
+    ]
+    rej = s["rejects"]
+    if rej:
+        lines.append(f"rejected: {sum(rej.values())} (" + ", ".join(f"{k} {v}" for k, v in rej.items()) + f"); details in {out}/rejects.jsonl")
+    else:
+        lines.append("rejected: 0")
+    return "\n".join(lines)
+
+
+def _merge(args) -> int:
+    from .merge import merge
+
+    r = merge(args.parts, args.out, mode=args.mode, name=args.name, allow_missing=args.allow_missing)
+    print(f"{args.out}: merged {r['parts']} parts -> {r['shards']} shards, {r['documents']} documents, {r['bytes'] / 1e6:.2f} MB")
+    return 0
+
+
+def _inspect(args) -> int:
+    from .inspect import render_html, render_text, select_samples
+
+    count = args.count if args.count is not None else (20 if args.html else 1)
+    docs = select_samples(args.dir, key=args.key, index=args.index, count=count)
+    if args.html:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(render_html(docs, title=f"{args.dir}: {len(docs)} documents"))
+        print(f"wrote {args.html} ({len(docs)} documents)")
+    else:
+        print("\n\n".join(render_text(k, d, m) for k, d, m in docs))
+    return 0
+
+
+def _stats(args) -> int:
+    from .inspect import compute_stats, format_stats
+
+    st = compute_stats(args.dir, progress=_progress(args))
+    print(json.dumps(st, indent=1) if args.json else format_stats(st))
+    return 0
+
+
+def _verify(args) -> int:
+    from .inspect import verify
+
+    problems, counts = verify(args.dir, media=not args.no_media, progress=_progress(args))
+    for p in problems:
+        print(f"PROBLEM {p}")
+    n = counts.get("problems", 0)
+    print(f"{args.dir}: {counts.get('shards', 0)} shards, {counts.get('documents', 0)} documents, "
+          f"{counts.get('media_decoded', 0)} media decoded: " + ("OK" if not n else f"{n} problems"))
+    return 1 if n else 0
+
+
+def _bench(args) -> int:
+    from .build_bench import run_bench
+
+    workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    if not workers or min(workers) < 1:
+        raise ValueError(f"--workers must be a comma-separated list of positive ints, got {args.workers!r}")
+    print(run_bench(docs=args.docs, workers=workers, image_size=args.image_size, keep=args.keep))
+    return 0

@@ -1,0 +1,120 @@
+"""`omniloom data merge`: join the shard directories of a `--part I/N` build into one dataset.
+
+Each part's shards are placed in the output folder under contiguous names `NAME-000000.tar ...`
+(in part order), by hard link (default; falls back to a copy across file systems), copy or move.
+Renaming does not change a tar's bytes (member names hold sample keys, not shard names), so the
+sha256 and sample offsets carry over unchanged. The manifest is written last.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections import Counter
+
+from .manifest import MANIFEST, REJECTS, read_manifest, write_json_atomic
+
+MODES = ("link", "copy", "move")
+
+
+def merge(part_dirs: list[str], out: str, *, mode: str = "link", name: str | None = None, allow_missing: bool = False) -> dict:
+    """Merge part directories into `out`; return {"parts", "shards", "documents", "bytes"}.
+
+    Checks: all parts come from one build (same settings except the part index), no part is given
+    twice, every part 0..N-1 is present (unless `allow_missing`), keys are unique across parts."""
+    if mode not in MODES:
+        raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
+    if not part_dirs:
+        raise ValueError("give the part directories to merge")
+    out_real = os.path.realpath(out)
+    if any(os.path.realpath(d) == out_real for d in part_dirs):
+        raise ValueError("--out must be a new folder, not one of the parts")
+    mans = []
+    for d in part_dirs:
+        man = read_manifest(d)
+        mans.append((d, man))
+    ref_settings = _without_part(mans[0][1]["settings"])
+    n_parts = mans[0][1]["settings"].get("part", [0, 1])[1]
+    seen_parts = {}
+    for d, man in mans:
+        st = man["settings"]
+        if _without_part(st) != ref_settings:
+            diff = sorted(k for k in set(st) | set(ref_settings) if k != "part" and st.get(k) != ref_settings.get(k))
+            raise ValueError(f"{d} was built with different settings ({', '.join(diff)}) than {mans[0][0]}; merge parts of one build only")
+        i, n = st.get("part", [0, 1])
+        if n != n_parts:
+            raise ValueError(f"{d} is part {i}/{n} but {mans[0][0]} is of {n_parts} parts")
+        if i in seen_parts:
+            raise ValueError(f"part {i} is given twice: {seen_parts[i]} and {d}")
+        seen_parts[i] = d
+    missing = sorted(set(range(n_parts)) - set(seen_parts))
+    if missing and not allow_missing:
+        raise ValueError(f"parts {missing} of {n_parts} are missing; build them first or pass --allow-missing")
+    mans.sort(key=lambda dm: dm[1]["settings"].get("part", [0, 1])[0])
+    name = name or mans[0][1]["name"]
+    os.makedirs(out, exist_ok=True)
+    if os.path.exists(os.path.join(out, MANIFEST)):
+        raise ValueError(f"{out} already holds a manifest; merge into a new folder")
+
+    keys: dict[str, str] = {}
+    shards, totals_seg, totals_media, codes = [], Counter(), Counter(), Counter()
+    rejects_tmp = os.path.join(out, REJECTS + ".tmp")
+    with open(rejects_tmp, "w", encoding="utf-8") as rej_out:
+        for d, man in mans:
+            for shard in man["shards"]:
+                for smp in shard["samples"]:
+                    if smp["key"] in keys:
+                        raise ValueError(f"key {smp['key']} is in both {keys[smp['key']]} and {d}; parts overlap")
+                    keys[smp["key"]] = d
+                new_name = f"{name}-{len(shards):06d}.tar"
+                src = os.path.join(d, shard["name"])
+                if os.path.getsize(src) != shard["bytes"]:
+                    raise ValueError(f"{src} is {os.path.getsize(src)} bytes but its manifest says {shard['bytes']}; run `omniloom data verify {d}`")
+                _place(src, os.path.join(out, new_name), mode)
+                shards.append({**shard, "name": new_name})
+            totals_seg.update(man["totals"]["segments"])
+            totals_media.update(man["totals"]["media_bytes"])
+            codes.update(man.get("rejects", {}).get("by_code", {}))
+            rej_path = os.path.join(d, REJECTS)
+            if os.path.exists(rej_path):
+                with open(rej_path, encoding="utf-8") as f:
+                    shutil.copyfileobj(f, rej_out)
+    os.replace(rejects_tmp, os.path.join(out, REJECTS))
+    settings = {**ref_settings, "merged_parts": sorted(seen_parts), "num_parts": n_parts}
+    manifest = {
+        "format": mans[0][1]["format"],
+        "version": mans[0][1]["version"],
+        "name": name,
+        "shards": shards,
+        "totals": {
+            "documents": sum(s["num_samples"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "segments": {k: totals_seg.get(k, 0) for k in ("text", "code", "image", "video")},
+            "media_bytes": {k: totals_media.get(k, 0) for k in ("image", "video")},
+        },
+        "rejects": {"total": sum(codes.values()), "by_code": dict(sorted(codes.items()))},
+        "settings": settings,
+    }
+    write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    return {"parts": len(mans), "shards": len(shards), "documents": manifest["totals"]["documents"], "bytes": manifest["totals"]["bytes"]}
+
+
+def _without_part(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k != "part"}
+
+
+def _place(src: str, dst: str, mode: str) -> None:
+    if os.path.exists(dst):
+        os.unlink(dst)
+    if mode == "move":
+        shutil.move(src, dst)
+        return
+    if mode == "link":
+        try:
+            os.link(src, dst)
+            return
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+    shutil.copyfile(src, dst)
