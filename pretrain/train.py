@@ -139,18 +139,7 @@ class Trainer:
         try:
             while self.step < cfg.train.num_steps:
                 t_step = time.perf_counter()
-                step_vec, counts_LME = self._train_step()
-                stats = self._unpack(step_vec)
-                ok = self.guard.check(self.step + 1, stats["loss"], stats["grad_norm"], self.last_checkpoint)
-                if ok:
-                    with self.timer.phase("optimizer"):
-                        self.optimizer.step()
-                        self._update_router_biases(counts_LME)
-                self.optimizer.zero_grad(set_to_none=True)
-                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
-                self.scheduler.step()
-                self.step += 1
-                self.tokens_seen += int(stats["tokens"])
+                stats, counts_LME, lr = self.run_step()
                 losses.append(stats["loss"])
                 window.add(stats, counts_LME, time.perf_counter() - t_step, self.timer.pop())
 
@@ -182,6 +171,23 @@ class Trainer:
             self.shutdown.restore()
             logger.close()
         return TrainResult(self.step, self.tokens_seen, stopped_by, self.last_checkpoint, losses)
+
+    def run_step(self) -> tuple[dict, torch.Tensor | None, float]:
+        """One optimizer step: micro-batches, guard, update, router biases, schedule. Returns the
+        step's all-reduced statistics, the expert counts and the learning rate it used."""
+        step_vec, counts_LME = self._train_step()
+        stats = self._unpack(step_vec)
+        ok = self.guard.check(self.step + 1, stats["loss"], stats["grad_norm"], self.last_checkpoint)
+        if ok:
+            with self.timer.phase("optimizer"):
+                self.optimizer.step()
+                self._update_router_biases(counts_LME)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+        self.scheduler.step()
+        self.step += 1
+        self.tokens_seen += int(stats["tokens"])
+        return stats, counts_LME, lr
 
     def _train_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward/backward over `grad_accum_steps` micro-batches and clip; return the all-reduced

@@ -1,0 +1,123 @@
+"""`omniloom bench train`: training throughput and where a step's time goes.
+
+Runs the real Trainer (model, optimizer, guards, router-bias update) for warmup + N steps in this
+process and reports tokens/s and the data / forward / backward / optimizer split. The reference
+measured in the same run is a forward-only pass (no grad) over the same kind of batches, so the
+printed ratio says what training costs relative to inference-style evaluation on this machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Used only when the preset has no data.tokenizer: what the synthetic batches need from it.
+_SYNTHETIC_VOCAB, _SYNTHETIC_PATCH_ID = 1024, 8
+
+
+class SyntheticLoader:
+    """Random PackedBatch-shaped batches (text, code, an image and a video block per row) from
+    omniloom.model.synthetic, for benchmarking without shards. Deterministic per batch index."""
+
+    def __init__(self, cfg, rank: int):
+        self.cfg, self.rank, self.index = cfg, rank, 0
+
+    def __iter__(self):
+        from omniloom.data.batch import PackedBatch
+        from omniloom.model.synthetic import random_packed_batch
+
+        while True:
+            fields = random_packed_batch(self.cfg.model, batch_size=self.cfg.data.batch_size,
+                                         seq_len=self.cfg.data.seq_len, docs_per_row=4,
+                                         seed=self.cfg.data.seed * 100_003 + self.rank * 10_007 + self.index)
+            self.index += 1
+            yield PackedBatch(**fields)
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = int(state["index"])
+
+
+def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: int = 2) -> str:
+    """Time `steps` training steps of `preset` after `warmup` and return the printable report."""
+    from . import build as B
+    from .config import load_config
+    from .metrics import StepTimer, mfu, peak_flops_per_device
+    from .train import Trainer
+
+    if steps < 1 or warmup < 0:
+        raise ValueError("--steps must be >= 1 and --warmup >= 0")
+    with tempfile.TemporaryDirectory(prefix="omniloom-bench-") as tmp:
+        cfg = load_config(preset, list(overrides) + [
+            f"train.run_dir={tmp}", f"train.num_steps={warmup + steps}", "checkpoint.every=0",
+            "logging.tensorboard=false", "train.eval_every=0", "checkpoint.resume="])
+        synthetic = not cfg.data.sources
+        kwargs = {}
+        if synthetic:
+            model_cfg = cfg.model
+            if not cfg.data.tokenizer:
+                model_cfg = dataclasses.replace(model_cfg, vocab_size=model_cfg.vocab_size or _SYNTHETIC_VOCAB,
+                                                patch_token_id=max(model_cfg.patch_token_id, _SYNTHETIC_PATCH_ID))
+            cfg = dataclasses.replace(cfg, model=model_cfg)
+            cfg = B.resolve_model_config(cfg)
+            kwargs = dict(build_model=B.build_model,
+                          build_loader=lambda c, split, rank, world: SyntheticLoader(c, rank) if split == "train" else None)
+        trainer = Trainer(cfg, progress=False, **kwargs)
+        trainer.timer = StepTimer(sync=True)
+        for _ in range(warmup):
+            trainer.run_step()
+        trainer.timer.pop()
+        tokens, t0 = trainer.tokens_seen, time.perf_counter()
+        for _ in range(steps):
+            trainer.run_step()
+        wall = time.perf_counter() - t0
+        phases = trainer.timer.pop()
+        tokens = trainer.tokens_seen - tokens
+
+        # Reference: forward only, no grad, on `steps` further batches.
+        trainer.model.eval()
+        batches = [trainer._next_batch() for _ in range(steps)]
+        with torch.no_grad():
+            B.forward(trainer.model, batches[0])  # warm
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            for batch in batches:
+                B.forward(trainer.model, batch)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            fwd_only = (time.perf_counter() - t1) / steps
+        step_s = wall / steps
+        world = trainer.acc.num_processes
+        tps = tokens / wall
+        peak = peak_flops_per_device(trainer.device)
+        u = mfu(trainer.flops_per_token, tps / world, peak)
+        model = trainer.acc.unwrap_model(trainer.model)
+        n_params = sum(p.numel() for p in model.parameters())
+        n_active = model.num_active_params() if hasattr(model, "num_active_params") else n_params
+
+    lines = [
+        f"bench train: preset={preset} device={trainer.device} world_size={world} "
+        f"data={'synthetic (random PackedBatch; data wait not representative)' if synthetic else 'shards'}",
+        f"  model: {n_params / 1e6:.2f}M params, {n_active / 1e6:.2f}M active; batch {cfg.data.batch_size} x "
+        f"seq {cfg.data.seq_len} x accum {cfg.train.grad_accum_steps}; {steps} timed steps after {warmup} warmup",
+        f"  tokens/s: {tps:,.0f} ({tps / world:,.0f} per device)" + (f"; MFU {100 * u:.1f}%" if u is not None else
+                                                                    "; MFU omitted (no peak-FLOPs entry, e.g. CPU)"),
+        f"  step time: {1000 * step_s:.1f} ms",
+    ]
+    for name in ("data", "forward", "backward", "optimizer"):
+        sec = phases.get(name, 0.0) / steps
+        lines.append(f"    {name:<10} {1000 * sec:9.1f} ms  {100 * sec / step_s:5.1f}% of step")
+    other = max(0.0, step_s - sum(phases.values()) / steps)
+    lines.append(f"    {'other':<10} {1000 * other:9.1f} ms  {100 * other / step_s:5.1f}% of step")
+    lines.append(f"  reference (same run): forward-only {1000 * fwd_only:.1f} ms per batch; "
+                 f"train step / forward-only = {step_s / max(fwd_only, 1e-12):.2f}x")
+    return "\n".join(lines)
