@@ -226,3 +226,24 @@ def _bench(args) -> int:
         raise ValueError(f"--workers must be a comma-separated list of positive ints, got {args.workers!r}")
     print(run_bench(docs=args.docs, workers=workers, image_size=args.image_size, keep=args.keep))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m omniloom.data.cli SUBCOMMAND ...`: the `data` commands without loading the
+    other packages' CLIs (fast start-up on many workers, e.g. a Slurm array running `build --part`)."""
+    import logging
+
+    parser = argparse.ArgumentParser(prog="python -m omniloom.data.cli")
+    parser.add_argument("-q", "--quiet", action="count", default=0)
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["data", *(argv if argv is not None else sys.argv[1:])])
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as err:
+        print(f"omniloom: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""`omniloom data merge|inspect|stats|verify`, the part split, validators and CLI errors (issue 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from omniloom.data.manifest import iter_sample_at, read_manifest
+from omniloom.data.media import MediaLimits, validate_image, validate_video
+from omniloom.data.merge import merge
+from omniloom.data.shards import build, parse_part
+from omniloom.data.synth import make_good_corpus, make_image, make_video
+from omniloom.data.validate import Reject, TextPolicy, decode_text, parse_input_document, resolve_inside
+from omniloom.pretrain.cli import main
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tools") / "src"
+    make_good_corpus(root, n_text=3, n_images=3, n_videos=2)
+    return root
+
+
+@pytest.fixture(scope="module")
+def full(src, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "shards"
+    build([str(src)], str(out), shard_max_docs=3, progress=False)
+    return out
+
+
+def _keys(out) -> list[str]:
+    return sorted(s["key"] for sh in read_manifest(out)["shards"] for s in sh["samples"])
+
+
+def test_parts_merge_into_the_full_dataset(src, full, tmp_path):
+    parts = []
+    for i in range(3):
+        out = tmp_path / f"p{i}"
+        build([str(src)], str(out), part=(i, 3), shard_max_docs=3, progress=False)
+        assert all(sh["name"].startswith(f"data-p{i:04d}-") for sh in read_manifest(out)["shards"])
+        parts.append(str(out))
+    with pytest.raises(ValueError, match="missing"):
+        merge(parts[:2], str(tmp_path / "bad"))
+    res = merge(parts, str(tmp_path / "merged"))
+    man = read_manifest(tmp_path / "merged")
+    assert _keys(tmp_path / "merged") == _keys(full)
+    assert [sh["name"] for sh in man["shards"]] == [f"data-{i:06d}.tar" for i in range(res["shards"])]
+    assert man["totals"]["segments"] == read_manifest(full)["totals"]["segments"]
+    assert main(["-q", "data", "verify", str(tmp_path / "merged")]) == 0
+    with pytest.raises(ValueError, match="twice"):
+        merge([parts[0], parts[0], parts[1], parts[2]], str(tmp_path / "dup"))
+
+
+def test_inspect_stats_verify(full, tmp_path, capsys):
+    assert main(["data", "inspect", str(full), "--index", "0"]) == 0
+    assert "== " in capsys.readouterr().out
+    key = read_manifest(full)["shards"][-1]["samples"][-1]["key"]
+    assert main(["data", "inspect", str(full), "--key", key]) == 0
+    assert key in capsys.readouterr().out
+    page = tmp_path / "view.html"
+    assert main(["data", "inspect", str(full), "--html", str(page), "--count", "100"]) == 0
+    text = page.read_text()
+    assert "wrote" in capsys.readouterr().out
+    assert text.count("<section>") == read_manifest(full)["totals"]["documents"]
+    assert "data:image/jpeg;base64," in text and "frame strip" in text and "<pre><code>" in text
+    assert main(["data", "stats", str(full), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["segments"]["video"] == read_manifest(full)["totals"]["segments"]["video"] >= 2
+    assert st["image_width"]["count"] >= 3 and st["video_seconds"]["p50"] == pytest.approx(1.0, abs=0.2)
+    assert main(["data", "stats", str(full)]) == 0
+    assert "video_seconds" in capsys.readouterr().out
+    assert main(["data", "verify", str(full)]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+def test_verify_finds_corruption(full, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(full, bad)
+    man = read_manifest(bad)
+    shard = bad / man["shards"][0]["name"]
+    data = bytearray(shard.read_bytes())
+    data[600] ^= 0xFF  # inside the first doc.json
+    shard.write_bytes(bytes(data))
+    (bad / "data-999999.tar").write_bytes(b"")
+    assert main(["data", "verify", str(bad), "--no-media"]) == 1
+    out = capsys.readouterr().out
+    assert "sha256 mismatch" in out and "not listed" in out
+
+
+def test_iter_sample_at_reads_exactly_one_sample(full):
+    man = read_manifest(full)
+    for sh in man["shards"]:
+        for smp in sh["samples"]:
+            key, members = iter_sample_at(full / sh["name"], smp["offset"])
+            doc = json.loads(members["doc.json"])
+            assert key == smp["key"] and list(members)[0] == "doc.json"
+            assert {s["ref"] for s in doc["segments"] if "ref" in s} == set(members) - {"doc.json"}
+
+
+def test_cli_user_errors_exit_2(tmp_path, capsys):
+    assert main(["data", "build", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["data", "build", str(tmp_path), "--out", str(tmp_path / "o"), "--part", "3/3"]) == 2
+    assert main(["data", "inspect", str(tmp_path)]) == 2
+    assert "not a finished shard directory" in capsys.readouterr().err
+    assert parse_part("2/5") == (2, 5)
+
+
+def test_text_policies():
+    p = TextPolicy()
+    assert decode_text(b"\xef\xbb\xbfhello\r\n", p) == "hello\r\n"  # BOM gone, line ends kept
+    with pytest.raises(Reject, match="not valid UTF-8"):
+        decode_text(b"caf\xe9", p)
+    assert decode_text(b"caf\xe9", TextPolicy(bad_utf8="replace")) == "caf\ufffd"
+    with pytest.raises(Reject) as err:
+        decode_text(b"a\x00b", p)
+    assert err.value.code == "nul-bytes"
+    assert decode_text(b"a\x00b", TextPolicy(nul="strip")) == "ab"
+    with pytest.raises(Reject, match="whitespace"):
+        decode_text(b" \n\t", p)
+
+
+def test_references_stay_inside_the_root(tmp_path):
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "a.png").write_bytes(b"x")
+    assert resolve_inside(str(root), str(root / "sub"), "a.png") == os.path.realpath(root / "sub" / "a.png")
+    for ref, code in [("../../x.png", "escapes-root"), ("/etc/passwd", "bad-ref"), ("https://x.org/a.png", "remote-ref"), ("b.png", "missing")]:
+        with pytest.raises(Reject) as err:
+            resolve_inside(str(root), str(root / "sub"), ref)
+        assert err.value.code == code, ref
+    os.symlink(tmp_path, root / "sub" / "out")
+    with pytest.raises(Reject) as err:
+        resolve_inside(str(root), str(root / "sub"), "out/root/sub/a.png/../../../../etc")
+    assert err.value.code in ("escapes-root", "missing")
+
+
+def test_schema_checks():
+    segs, meta = parse_input_document({"texts": ["a", None], "images": [None, "x.png"], "url": "u"})
+    assert segs == [{"type": "text", "text": "a"}, {"type": "image", "path": "x.png"}] and meta == {"url": "u"}
+    for bad in ({"segments": []}, {"segments": [{"type": "code", "text": "x"}]}, {"texts": ["a"], "images": ["b"]},
+                {"segments": [{"type": "text", "text": "x", "colour": 1}]}, {"foo": 1}):
+        with pytest.raises(Reject):
+            parse_input_document(bad)
+
+
+def test_media_validators(tmp_path):
+    lim = MediaLimits()
+    info = validate_image(make_image(tmp_path / "a.tiff", size=(40, 30), mode="L").read_bytes(), lim)
+    assert (info["format"], info["width"], info["height"]) == ("TIFF", 40, 30)
+    with pytest.raises(Reject) as err:
+        validate_image(make_image(tmp_path / "s.png", size=(8, 8)).read_bytes(), lim)
+    assert err.value.code == "image-too-small"
+    with pytest.raises(Reject) as err:
+        validate_image(make_image(tmp_path / "b.png", size=(100, 100)).read_bytes(), MediaLimits(max_image_pixels=5000))
+    assert err.value.code == "image-bomb"
+    v = make_video(tmp_path / "v.avi", codec="mjpeg", frames=8, fps=8).read_bytes()
+    assert validate_video(v, lim)["frames"] == 8
+    with pytest.raises(Reject) as err:
+        validate_video(v, MediaLimits(max_video_seconds=0.5))
+    assert err.value.code == "video-duration"
+    # A video with an audio track is still a video.
+    assert validate_video(make_video(tmp_path / "av.mp4", audio=True).read_bytes(), lim)["codec"] == "mpeg4"
