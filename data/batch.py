@@ -115,7 +115,7 @@ def collate_rows(rows: list[list[Piece]], *, seq_len: int, pad_id: int, patch_di
     doc_ids_BS = np.zeros((B, S), dtype=np.int32)
     block_ids_BS = np.full((B, S), -1, dtype=np.int32)
     modality_BS = np.full((B, S), SPECIAL, dtype=np.uint8)
-    patch_chunks, kind_chunks = [], []
+    blocks_in_order: list = []  # the batch's visual blocks in row-major order
     tokens_by_modality = np.zeros(5, dtype=np.int64)
     padding = pieces = 0
     for b, row in enumerate(rows):
@@ -138,8 +138,7 @@ def collate_rows(rows: list[list[Piece]], *, seq_len: int, pad_id: int, patch_di
             for blk in piece.blocks:
                 block_ids_BS[b, at + blk.start:at + blk.start + blk.length] = num_blocks
                 num_blocks += 1
-                patch_chunks.append(_pad_patches(blk.patches_ND, patch_dim))
-                kind_chunks.append(np.full(blk.length, blk.kind, dtype=np.uint8))
+                blocks_in_order.append(blk)
             tokens_by_modality += np.bincount(piece.modality_L, minlength=5)[:5]
             at += n
             pieces += 1
@@ -148,13 +147,7 @@ def collate_rows(rows: list[list[Piece]], *, seq_len: int, pad_id: int, patch_di
             doc_ids_BS[b, at:] = len(row)
             positions_B3S[b, :, at:] = np.arange(S - at, dtype=np.int32)
             padding += S - at
-    dtype = _DTYPES[patch_dtype]
-    if patch_chunks:
-        patches_PD = torch.from_numpy(np.concatenate(patch_chunks)).to(dtype)
-        patch_kind_P = torch.from_numpy(np.concatenate(kind_chunks))
-    else:
-        patches_PD = torch.zeros((0, patch_dim), dtype=dtype)
-        patch_kind_P = torch.zeros((0,), dtype=torch.uint8)
+    patches_PD, patch_kind_P = _gather_patches(blocks_in_order, patch_dim, patch_dtype)
     batch = PackedBatch(
         input_ids=torch.from_numpy(input_ids_BS), labels=torch.from_numpy(labels_BS),
         positions=torch.from_numpy(positions_B3S), doc_ids=torch.from_numpy(doc_ids_BS),
@@ -165,13 +158,22 @@ def collate_rows(rows: list[list[Piece]], *, seq_len: int, pad_id: int, patch_di
     return batch, counts
 
 
-def _pad_patches(patches_ND: np.ndarray, patch_dim: int) -> np.ndarray:
-    N, D = patches_ND.shape
-    if D == patch_dim:
-        return np.asarray(patches_ND, dtype=np.float32)
-    if D > patch_dim:
-        raise ValueError(f"a visual block has patch dim {D} > the stream's patch_dim {patch_dim}; pass the "
-                         "tokenizer's largest patch dim (video: 3*tp*p*p) as patch_dim")
-    out = np.zeros((N, patch_dim), dtype=np.float32)
-    out[:, :D] = patches_ND
-    return out
+def _gather_patches(blocks: list, patch_dim: int, patch_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[P, D] patches (zero-padded to patch_dim) and [P] kinds, written once into one buffer."""
+    P = sum(b.length for b in blocks)
+    # numpy has no bfloat16: fill float32 then let torch convert; float16/float32 are filled directly
+    # (the cast happens in the slice assignment, no second pass).
+    np_dtype = np.float32 if patch_dtype in ("float32", "bfloat16") else np.float16
+    patches_PD = np.zeros((P, patch_dim), dtype=np_dtype)
+    kind_P = np.empty(P, dtype=np.uint8)
+    at = 0
+    for b in blocks:
+        N, D = b.patches_ND.shape
+        if D > patch_dim:
+            raise ValueError(f"a visual block has patch dim {D} > the stream's patch_dim {patch_dim}; pass the "
+                             "tokenizer's largest patch dim (video: 3*tp*p*p) as patch_dim")
+        patches_PD[at:at + N, :D] = b.patches_ND
+        kind_P[at:at + N] = b.kind
+        at += N
+    out = torch.from_numpy(patches_PD)
+    return (out.to(_DTYPES[patch_dtype]) if patch_dtype == "bfloat16" else out), torch.from_numpy(kind_P)

@@ -368,6 +368,8 @@ class StreamLoader:
         }
         for name, n in zip(MODALITY_NAMES, win["tokens"].tolist()):
             out[f"token_share/{name}"] = n / real if real else 0.0
+        epochs = self.epochs()
+        out["epoch"] = float(min(epochs.values())) if epochs else 0.0
         skipped = self.skipped()
         out["skipped_total"] = float(sum(skipped.values()))
         for reason, n in skipped.items():
