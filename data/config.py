@@ -60,6 +60,9 @@ class DataConfig:
     # Storage dtype of PackedBatch.patches. float16 halves host memory and host->device traffic;
     # normalized pixels lose nothing that matters at that precision.
     patch_dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    # A document with an undecodable image/video: "skip" it whole (counted by reason), or "drop"
+    # just that segment and keep the rest (counted as tokenizer/dropped_<reason>).
+    media_errors: Literal["skip", "drop"] = "skip"
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "shuffle_buffer", "pack_buffer", "prefetch_factor"):

@@ -102,6 +102,7 @@ class WorkerStream:
         self.shuffle: list[tuple[tuple, dict, dict]] = []
         self.packer = BestFitPacker(cfg.seq_len, cfg.pack_buffer)
         self.skipped: Counter = Counter()
+        self.token_stats: Counter = Counter()  # TokenizedDoc.stats summed (decode errors, drops)
         self.docs = 0  # documents tokenized and handed to the packer
         self.batches = 0
 
@@ -152,6 +153,7 @@ class WorkerStream:
                                  f"is {self.patch_dim}; pass patch_dim=max(patch_dim, tubelet_dim) of the tokenizer")
         if count:
             self.docs += 1
+            self.token_stats.update(getattr(tdoc, "stats", None) or {})
         return pieces
 
     def _fill_packer(self) -> None:
@@ -179,6 +181,7 @@ class WorkerStream:
             "shuffle": [list(ref) for ref, _, _ in self.shuffle],
             "packer": [[list(ref), idx] for ref, idx in self.packer.state_refs()],
             "skipped": dict(self.skipped),
+            "token_stats": dict(self.token_stats),
             "docs": self.docs,
             "batches": self.batches,
         }
@@ -189,6 +192,7 @@ class WorkerStream:
         for cursor, (epoch, pos) in zip(self.cursors, state["cursors"], strict=True):
             cursor.epoch, cursor.pos = int(epoch), int(pos)
         self.skipped = Counter(state["skipped"])
+        self.token_stats = Counter(state.get("token_stats", {}))
         self.docs, self.batches = int(state["docs"]), int(state["batches"])
         self.shuffle = []
         for ref in map(tuple, state["shuffle"]):
@@ -374,6 +378,12 @@ class StreamLoader:
         out["skipped_total"] = float(sum(skipped.values()))
         for reason, n in skipped.items():
             out[f"skipped/{reason}"] = float(n)
+        token_stats: Counter = Counter()
+        for state in self._states:
+            if state is not None:
+                token_stats.update(state.get("token_stats", {}))
+        for name, n in sorted(token_stats.items()):
+            out[f"tokenizer/{name}"] = float(n)
         if reset:
             self._window_start = now
             self._window = {"docs": 0, "tokens": np.zeros(5, np.int64), "padding": 0, "batches": 0}
@@ -426,47 +436,24 @@ def json_safe(value):
 
 
 class DocumentTokenizer:
-    """The default tokenize_fn: omniloom's tokenizer loaded from a folder, lazily in each worker
-    (picklable: only the path travels to DataLoader workers)."""
+    """The default tokenize_fn: omniloom.tokenizers.unified.tokenize_document with the tokenizer of
+    a folder. Picklable (DataLoader workers get the serialized tokenizer). `media_errors="skip"`
+    skips a document with undecodable media (counted under the MediaError's reason); "drop" keeps
+    the document without that image/video (counted under tokenizer/dropped_<reason>)."""
 
-    def __init__(self, tokenizer_dir: str):
+    def __init__(self, tokenizer_dir: str, media_errors: str = "skip"):
         from omniloom.tokenizers.text import Tokenizer
 
-        self.tokenizer_dir = tokenizer_dir
-        self._tok = Tokenizer.load(tokenizer_dir)  # fail at start, not inside a worker
-        self._fn = None
-
-    @property
-    def tokenizer(self):
-        return self._tok
-
-    def __getstate__(self):
-        return {"tokenizer_dir": self.tokenizer_dir, "tok": self._tok}
-
-    def __setstate__(self, state):
-        self.tokenizer_dir, self._tok, self._fn = state["tokenizer_dir"], state["tok"], None
+        if media_errors not in ("skip", "drop"):
+            raise ValueError(f"media_errors must be 'skip' or 'drop', got {media_errors!r}")
+        self.tokenizer_dir, self.media_errors = tokenizer_dir, media_errors
+        self.tokenizer = Tokenizer.load(tokenizer_dir)  # fails at start, not inside a worker
 
     def __call__(self, doc: dict, media: dict) -> TokenizedDoc:
-        if self._fn is None:
-            self._fn = _find_tokenize_document()
-        fn, takes_media = self._fn
-        return fn(doc, media, self._tok) if takes_media else fn(doc, self._tok, media=media)
+        from omniloom.tokenizers.unified import tokenize_document
 
-
-def _find_tokenize_document():
-    import importlib
-    import inspect
-
-    for name in ("omniloom.tokenizers", "omniloom.tokenizers.document", "omniloom.tokenizers.unified",
-                 "omniloom.tokenizers.layout"):
-        try:
-            fn = getattr(importlib.import_module(name), "tokenize_document", None)
-        except ImportError:
-            continue
-        if fn is not None:
-            params = list(inspect.signature(fn).parameters)
-            return fn, len(params) >= 3 and params[1] == "media"
-    raise ValueError("omniloom.tokenizers has no tokenize_document yet; pass a tokenize_fn to build_loader")
+        return tokenize_document(doc, media, self.tokenizer,
+                                 media_errors="raise" if self.media_errors == "skip" else "drop")
 
 
 def build_loader(data_cfg: DataConfig, tokenize_fn: TokenizeFn | None = None, *, rank: int = 0,
@@ -495,7 +482,7 @@ def build_loader(data_cfg: DataConfig, tokenize_fn: TokenizeFn | None = None, *,
     if tokenize_fn is None:
         if not data_cfg.tokenizer:
             raise ValueError("data.tokenizer is empty; set it to a folder made by `omniloom tokenizer train`")
-        tokenize_fn = DocumentTokenizer(data_cfg.tokenizer)
+        tokenize_fn = DocumentTokenizer(data_cfg.tokenizer, data_cfg.media_errors)
         tok = tokenize_fn.tokenizer
     elif isinstance(tokenize_fn, DocumentTokenizer):
         tok = tokenize_fn.tokenizer
