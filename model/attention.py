@@ -40,52 +40,58 @@ def check_backend(name: str) -> None:
         raise ValueError("model.attention.backend=flash needs flash-attn (pip install flash-attn); choose flex or blocksparse")
 
 
+def gathered_mask(
+    info: MaskInfo, kind: str, kv_idx: torch.Tensor, valid: torch.Tensor, sel_BKSn: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The rule evaluated on the gathered keys: [B, 1 or K, Q, bs, N * bs] bool.
+
+    kv_idx/valid: [B, 1 or K, Q, N] key-block slots (masks.block_ranges / selected_block_slots)."""
+    B, Ki, Q, N = kv_idx.shape
+    bs, Sp = info.block_size, info.padded_len
+    tok_j = (kv_idx.unsqueeze(-1) * bs + torch.arange(bs, device=kv_idx.device)).view(B, Ki, Q, N * bs)
+    flat = tok_j.reshape(B, Ki, -1)
+    doc_k = info.doc_BS.unsqueeze(1).expand(B, Ki, Sp).gather(2, flat).view(B, Ki, Q, 1, N * bs)
+    vis_k = info.vis_BS.unsqueeze(1).expand(B, Ki, Sp).gather(2, flat).view(B, Ki, Q, 1, N * bs)
+    idx_q = torch.arange(Sp, device=kv_idx.device).view(1, 1, Q, bs, 1)
+    doc_q = info.doc_BS.view(B, 1, Q, bs, 1)
+    vis_q = info.vis_BS.view(B, 1, Q, bs, 1)
+    mask = token_mask(doc_q, vis_q, idx_q, doc_k, vis_k, tok_j.unsqueeze(3), kind, info.window)
+    mask = mask & valid.repeat_interleave(bs, dim=-1).unsqueeze(3)
+    if sel_BKSn is not None:
+        K, nb = sel_BKSn.shape[1], sel_BKSn.shape[-1]
+        sel_q = sel_BKSn.view(B, K, Q, bs, nb).gather(4, kv_idx.expand(B, K, Q, N).unsqueeze(3).expand(B, K, Q, bs, N))
+        mask = mask & sel_q.repeat_interleave(bs, dim=-1)
+    return mask
+
+
 def gathered_attention(
     q_BHSD: torch.Tensor,
     k_BKSD: torch.Tensor,
     v_BKSD: torch.Tensor,
-    info: MaskInfo,
-    kind: str,
+    block_size: int,
     kv_idx: torch.Tensor,
-    valid: torch.Tensor,
-    sel_BKSn: torch.Tensor | None = None,
+    mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Blocksparse core: attention of each query block over its gathered key blocks.
+    """Blocksparse core: attention of each query block over its gathered key blocks only.
 
-    kv_idx/valid: [B, 1 or K, Q, N] key-block slots (masks.block_ranges / selected_block_slots).
+    kv_idx [B, 1 or K, Q, N] key-block slots, mask [B, 1 or K, Q, bs, N * bs] (gathered_mask).
     Returns [B, H, S, D]. Memory and time scale with Q * N * bs^2, not S^2."""
     B, H, S, D = q_BHSD.shape
     K = k_BKSD.shape[1]
-    G, bs, Sp = H // K, info.block_size, info.padded_len
-    Q, N = Sp // bs, kv_idx.shape[-1]
-    Ki = kv_idx.shape[1]
-    pad = Sp - S
+    G, bs = H // K, block_size
+    Q, N = kv_idx.shape[2], kv_idx.shape[3]
+    pad = Q * bs - S
     q = F.pad(q_BHSD, (0, 0, 0, pad)).reshape(B, K, G, Q, bs, D)
     k = F.pad(k_BKSD, (0, 0, 0, pad)).reshape(B, K, Q, bs * D)
     v = F.pad(v_BKSD, (0, 0, 0, pad)).reshape(B, K, Q, bs * D)
     gidx = kv_idx.expand(B, K, Q, N).reshape(B, K, Q * N, 1).expand(B, K, Q * N, bs * D)
     kg = k.gather(2, gidx).view(B, K, Q, N * bs, D)
     vg = v.gather(2, gidx).view(B, K, Q, N * bs, D)
-
-    # token-level rule on the gathered keys
-    tok_j = (kv_idx.unsqueeze(-1) * bs + torch.arange(bs, device=kv_idx.device)).view(B, Ki, Q, N * bs)
-    flat = tok_j.reshape(B, Ki, -1)
-    doc_k = info.doc_BS.unsqueeze(1).expand(B, Ki, Sp).gather(2, flat).view(B, Ki, Q, 1, N * bs)
-    vis_k = info.vis_BS.unsqueeze(1).expand(B, Ki, Sp).gather(2, flat).view(B, Ki, Q, 1, N * bs)
-    idx_q = torch.arange(Sp, device=q.device).view(1, 1, Q, bs, 1)
-    doc_q = info.doc_BS.view(B, 1, Q, bs, 1)
-    vis_q = info.vis_BS.view(B, 1, Q, bs, 1)
-    mask = token_mask(doc_q, vis_q, idx_q, doc_k, vis_k, tok_j.unsqueeze(3), kind, info.window)
-    mask = mask & valid.repeat_interleave(bs, dim=-1).unsqueeze(3)
-    if sel_BKSn is not None:
-        nb = sel_BKSn.shape[-1]
-        sel_q = sel_BKSn.view(B, K, Q, bs, nb).gather(4, kv_idx.expand(B, K, Q, N).unsqueeze(3).expand(B, K, Q, bs, N))
-        mask = mask & sel_q.repeat_interleave(bs, dim=-1)
     scores = torch.einsum("bkgqid,bkqjd->bkgqij", q, kg) * (1.0 / math.sqrt(D))
     scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vg.dtype)
     out = torch.einsum("bkgqij,bkqjd->bkgqid", probs, vg)
-    return out.reshape(B, H, Sp, D)[:, :, :S]
+    return out.reshape(B, H, Q * bs, D)[:, :, :S]
 
 
 _FLEX_COMPILED = None
@@ -131,12 +137,17 @@ class AttnContext:
         if backend == "blocksparse":
             if sel is not None:
                 kv_idx, valid = selected_block_slots(info, sel)
+                mask = gathered_mask(info, kind, kv_idx, valid, sel)
             else:
-                kv_idx, valid = self._cached(f"ranges{kind}", lambda: block_ranges(info, kind))
-            return gathered_attention(q_BHSD, k_BKSD, v_BKSD, info, kind, kv_idx, valid, sel)
+                kv_idx, mask = self._cached(f"gathered{kind}", lambda: self._gathered(kind))
+            return gathered_attention(q_BHSD, k_BKSD, v_BKSD, info.block_size, kv_idx, mask)
         if backend == "flex":
             return self._flex(q_BHSD, k_BKSD, v_BKSD, kind, sel)
         return self._flash(q_BHSD, k_BKSD, v_BKSD, kind)
+
+    def _gathered(self, kind):
+        kv_idx, valid = block_ranges(self.info, kind)
+        return kv_idx, gathered_mask(self.info, kind, kv_idx, valid)
 
     @staticmethod
     def _sdpa(q, k, v, mask_BKSS):
