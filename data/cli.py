@@ -123,9 +123,9 @@ def register_bench(bench_sub) -> None:
     """Add `omniloom bench data`."""
     p = bench_sub.add_parser("data", help="data build throughput (docs/s, MB/s) for 1 and 2 workers",
                              description="Generate a corpus of text, code, images and videos, build it with each worker count, and print docs/s and MB/s, with the speedup over 1 worker.")
-    p.add_argument("--docs", type=int, default=240, help="approximate number of input documents to generate (default 240)")
+    p.add_argument("--docs", type=int, default=400, help="approximate number of input documents to generate (default 400)")
     p.add_argument("--workers", default="1,2", help="comma-separated worker counts; the first is the reference (default 1,2)")
-    p.add_argument("--image-size", type=int, default=256, help="side of generated images in pixels (default 256)")
+    p.add_argument("--image-size", type=int, default=384, help="width of generated images in pixels (default 384)")
     p.add_argument("--keep", metavar="DIR", help="generate and build under DIR and keep it (default: a temp folder, removed)")
     p.set_defaults(func=_bench)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from html.parser import HTMLParser
+from urllib.parse import unquote, urlsplit
 
 _BLOCK = {
     "p", "div", "section", "article", "main", "header", "footer", "aside", "nav", "h1", "h2", "h3", "h4", "h5", "h6",
@@ -14,6 +15,16 @@ _BLOCK = {
 }
 _SKIP = {"script", "style", "noscript", "template", "svg", "head", "iframe", "object", "canvas", "button", "select"}
 _WS = re.compile(r"[ \t\r\n\f\v]+")
+
+
+def _local(src: str) -> str:
+    """A page's src as a file path: query and fragment dropped, %-escapes decoded. URLs and data:
+    URIs are kept as they are (the ingest step reports or decodes them)."""
+    src = src.strip()
+    parts = urlsplit(src)
+    if parts.scheme:
+        return src
+    return unquote(parts.path)
 
 
 class _Extractor(HTMLParser):
@@ -56,7 +67,7 @@ class _Extractor(HTMLParser):
             self.pre_depth += 1
         if tag == "img" and a.get("src"):
             self._flush_text()
-            seg = {"type": "image", "path": a["src"].strip()}
+            seg = {"type": "image", "path": _local(a["src"])}
             if a.get("alt"):
                 seg["alt"] = a["alt"]
             self.segments.append(seg)
@@ -64,11 +75,11 @@ class _Extractor(HTMLParser):
             self.in_video = True
             if a.get("src"):
                 self._flush_text()
-                self.segments.append({"type": "video", "path": a["src"].strip()})
+                self.segments.append({"type": "video", "path": _local(a["src"])})
                 self.in_video = False  # nested <source> tags are alternatives of the same video
         elif tag == "source" and self.in_video and a.get("src"):
             self._flush_text()
-            self.segments.append({"type": "video", "path": a["src"].strip()})
+            self.segments.append({"type": "video", "path": _local(a["src"])})
             self.in_video = False
 
     def handle_startendtag(self, tag, attrs):

@@ -128,7 +128,7 @@ def _dist(values: list[float]) -> dict:
 def compute_stats(directory: str, *, progress: bool = False) -> dict:
     """Scan every doc.json (media data is skipped, not read) and summarize the dataset."""
     man = read_manifest(directory)
-    seg_counts, seg_bytes, langs, sources = Counter(), Counter(), Counter(), Counter()
+    seg_counts, seg_bytes, langs = Counter(), Counter(), Counter()
     img_w, img_h, img_mp, vid_dur, vid_frames, text_chars, segs_per_doc = [], [], [], [], [], [], []
     docs = 0
     shards = man["shards"]
@@ -159,8 +159,6 @@ def compute_stats(directory: str, *, progress: bool = False) -> dict:
                         vid_dur.append(info["duration"])
                         vid_frames.append(info.get("frames", 0))
             text_chars.append(chars)
-            src = doc.get("meta", {}).get("source", "")
-            sources[src.rsplit(".", 1)[-1].split(":")[0].lower() if "." in src else "?"] += 1
         bar.update(1)
     bar.close()
     return {
@@ -171,7 +169,6 @@ def compute_stats(directory: str, *, progress: bool = False) -> dict:
         "segments": {t: seg_counts.get(t, 0) for t in ("text", "code", "image", "video")},
         "bytes": {t: seg_bytes.get(t, 0) for t in ("text", "code", "image", "video")},
         "code_languages": dict(langs.most_common()),
-        "source_extensions": dict(sources.most_common()),
         "segments_per_doc": _dist(segs_per_doc),
         "chars_per_doc": _dist(text_chars),
         "image_width": _dist(img_w),

@@ -95,6 +95,7 @@ def merge(part_dirs: list[str], out: str, *, mode: str = "link", name: str | Non
         },
         "rejects": {"total": sum(codes.values()), "by_code": dict(sorted(codes.items()))},
         "settings": settings,
+        "inputs": {"parts": [m.get("inputs") for _, m in mans]},
     }
     write_json_atomic(os.path.join(out, MANIFEST), manifest)
     return {"parts": len(mans), "shards": len(shards), "documents": manifest["totals"]["documents"], "bytes": manifest["totals"]["bytes"]}

@@ -26,6 +26,7 @@ import tarfile
 import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from .ingest import IngestSettings, Unit, discover, process_unit
 from .manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir, read_manifest, write_json_atomic
@@ -113,19 +114,53 @@ def _process_chunk(units: list[Unit]) -> list[dict]:
 
 def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, chunk: int = 8):
     """Yield process_unit results in unit order, computed by `workers` processes with a bounded
-    number of chunks in flight (back-pressure: memory stays flat on big media)."""
+    number of chunks in flight (back-pressure: memory stays flat on big media).
+
+    A worker that dies (a decoder segfault, the OOM killer) breaks the pool: the chunk at the head
+    is then re-run one unit per single-use process, so the input that crashes becomes a counted
+    reject instead of ending the build, and the pool is restarted for the rest."""
     if workers <= 1:
         for u in units:
             yield process_unit(u, settings)
         return
-    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(settings,)) as ex:
-        pending: deque = deque()
-        pos = 0
+
+    def new_pool():
+        return ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(settings,))
+
+    ex = new_pool()
+    pending: deque = deque()  # (start, end, future)
+    pos = 0
+    try:
         while pos < len(units) or pending:
             while pos < len(units) and len(pending) < workers * 4:
-                pending.append(ex.submit(_process_chunk, units[pos : pos + chunk]))
-                pos += chunk
-            yield from pending.popleft().result()
+                end = min(len(units), pos + chunk)
+                pending.append((pos, end, ex.submit(_process_chunk, units[pos:end])))
+                pos = end
+            start, end, fut = pending.popleft()
+            try:
+                results = fut.result()
+            except BrokenProcessPool:
+                ex.shutdown(wait=True, cancel_futures=True)
+                log.warning("a worker process died; re-running inputs %d..%d one by one to find the culprit", start, end - 1)
+                results = [_isolated(u, settings) for u in units[start:end]]
+                ex = new_pool()
+                pending = deque((s, e, ex.submit(_process_chunk, units[s:e])) for s, e, _ in pending)
+            yield from results
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _isolated(unit: Unit, settings: IngestSettings) -> dict:
+    """process_unit in a single-use process; a crash becomes a reject."""
+    with ProcessPoolExecutor(1, initializer=_init_worker, initargs=(settings,)) as one:
+        try:
+            return one.submit(_process_chunk, [unit]).result()[0]
+        except BrokenProcessPool:
+            return {
+                "key": unit.key, "doc": None, "members": [], "fingerprint": "", "stats": {},
+                "rejects": [{"path": unit.display, "code": "worker-crash", "action": "dropped-doc",
+                             "reason": "decoding this input killed the worker process (decoder crash or out of memory); inspect or remove the file"}],
+            }
 
 
 # --- the build -------------------------------------------------------------------------------
@@ -179,19 +214,20 @@ def build(
         "standalone_referenced": standalone_referenced,
         **ingest.to_dict(),
     }
-    if overwrite:
-        _remove_outputs(out, name)
-    elif os.path.exists(os.path.join(out, MANIFEST)) and not os.path.exists(os.path.join(out, JOURNAL)):
-        man = read_manifest(out)
-        if man.get("settings") == settings:
-            log.info("%s is already complete (same settings); nothing to do", out)
-            return {"complete": True, "already": True, "documents": man["totals"]["documents"], "shards": len(man["shards"]), "seconds": 0.0}
-        raise ValueError(f"{out} already holds a finished build with different settings; choose another --out or pass --overwrite")
-
     units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced)
     if part[1] > 1:
         units = [u for u in units if int(u.key, 16) % part[1] == part[0]]
     header = {"journal": 1, "settings": settings, "units": len(units), "units_sha256": _units_digest(units)}
+    if overwrite:
+        _remove_outputs(out, name)
+    elif os.path.exists(os.path.join(out, MANIFEST)) and not os.path.exists(os.path.join(out, JOURNAL)):
+        man = read_manifest(out)
+        if man.get("settings") != settings:
+            raise ValueError(f"{out} already holds a finished build with different settings; choose another --out or pass --overwrite")
+        if man.get("inputs") != {"units": header["units"], "sha256": header["units_sha256"]}:
+            raise ValueError(f"{out} already holds a finished build, but the inputs changed since (files added, removed or resized); pass --overwrite to rebuild")
+        log.info("%s is already complete (same settings and inputs); nothing to do", out)
+        return {"complete": True, "already": True, "documents": man["totals"]["documents"], "shards": len(man["shards"]), "seconds": 0.0}
     records = _open_journal(out, header)
     start = records[-1]["span"][1] if records else 0
     seen: dict[str, str] = {}
@@ -295,9 +331,15 @@ def _append(journal, record: dict) -> None:
 
 
 def _units_digest(units: list[Unit]) -> str:
+    """Identity of the input set: names, kinds, sidecars and sizes (not mtimes, so copies of a
+    corpus on other machines match; not contents, which would mean reading everything twice)."""
     h = hashlib.sha256()
     for u in units:
-        h.update(f"{u.uid}\t{u.kind}\t{u.sidecar}\t{u.length}\n".encode("utf-8", "surrogatepass"))
+        try:
+            size = os.path.getsize(os.path.join(u.root, u.rel)) if u.kind != "jsonl" else u.length
+        except OSError:
+            size = -1
+        h.update(f"{u.uid}\t{u.kind}\t{u.sidecar}\t{size}\n".encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
 
@@ -373,6 +415,7 @@ def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed
         "totals": totals,
         "rejects": {"total": sum(codes.values()), "by_code": dict(sorted(codes.items()))},
         "settings": settings,
+        "inputs": {"units": header["units"], "sha256": header["units_sha256"]},
     }
     write_json_atomic(os.path.join(out, MANIFEST), manifest)
     os.unlink(path)

@@ -166,6 +166,10 @@ def test_drop_doc_policy_and_rerun_is_a_no_op(corpus, tmp_path):
     assert again["already"]
     with pytest.raises(ValueError, match="different settings"):
         build([str(src)], str(tmp_path / "a"), progress=False, shard_max_docs=7)
+    (src / "new.txt").write_text("a new input")
+    with pytest.raises(ValueError, match="inputs changed"):
+        build([str(src)], str(tmp_path / "a"), progress=False)
+    assert build([str(src)], str(tmp_path / "a"), progress=False, overwrite=True)["documents"] == 2
 
 
 def _run_build(src, out, *extra, env=None):
@@ -204,3 +208,25 @@ def test_kill_9_and_resume_is_byte_identical(corpus, tmp_path):
     assert sorted(os.listdir(out)) == sorted(os.listdir(clean))
     for name in os.listdir(clean):
         assert (out / name).read_bytes() == (clean / name).read_bytes(), name
+
+
+@pytest.mark.skipif(__import__("multiprocessing").get_start_method() != "fork", reason="the crash stand-in reaches workers by fork")
+def test_a_crashing_input_becomes_a_reject_not_a_dead_build(tmp_path, monkeypatch):
+    import omniloom.data.shards as shards
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"t{i:02d}.txt").write_text(f"document {i}")
+    real = shards.process_unit
+
+    def crashy(unit, settings):
+        if unit.rel == "t05.txt":
+            os.kill(os.getpid(), signal.SIGKILL)  # what a decoder segfault or the OOM killer does
+        return real(unit, settings)
+
+    monkeypatch.setattr(shards, "process_unit", crashy)
+    s = build([str(src)], str(tmp_path / "out"), workers=2, shard_max_docs=4, progress=False)
+    assert s["documents"] == 11 and s["rejects"] == {"worker-crash": 1}
+    rej = json.loads((tmp_path / "out" / "rejects.jsonl").read_text())
+    assert rej["path"].endswith("t05.txt") and "killed the worker" in rej["reason"]
