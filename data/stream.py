@@ -311,6 +311,8 @@ class StreamLoader:
         return self.max_batches
 
     def __iter__(self) -> Iterator[PackedBatch]:
+        if self.max_batches is not None and self.consumed >= self.max_batches:
+            self.reset()  # a finished finite pass starts over, like a torch DataLoader epoch
         ds = StreamDataset(self.sets, self.cfg, self.tokenize_fn, rank=self.rank, world_size=self.world_size,
                            pad_id=self.pad_id, patch_dim=self.patch_dim, states=list(self._states),
                            consumed=self.consumed, max_batches=self.max_batches)
