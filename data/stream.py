@@ -157,10 +157,17 @@ class WorkerStream:
         return pieces
 
     def _fill_packer(self) -> None:
+        failed = 0
+        limit = max(1000, 2 * sum(c.range_len for c in self.cursors))
         while self.packer.needs_more():
             ref, doc, media = self._next_doc()
-            for piece in self._pieces(ref, doc, media):
+            pieces = self._pieces(ref, doc, media)
+            for piece in pieces:
                 self.packer.add(piece)
+            failed = 0 if pieces else failed + 1
+            if failed > limit:  # bad data is skipped, but a stream with no usable document must stop
+                raise RuntimeError(f"slot {self.slot}: {failed} documents in a row could not be tokenized or "
+                                   f"packed (skips: {dict(self.skipped)}); check data.tokenizer and the shards")
 
     def next_batch(self) -> tuple[PackedBatch, dict]:
         rows = []

@@ -194,3 +194,26 @@ def test_visual_budget_warning():
     with pytest.warns(UserWarning, match="seq_len=256 cannot hold the largest video block"):
         check_visual_budget(256, max_image_patches=200, max_video_patches=512)
     assert check_visual_budget(4096, max_image_patches=256, max_video_patches=1024) == []
+
+
+def _always_fails(doc, media):
+    raise ValueError("no")
+
+
+def test_a_stream_with_no_usable_document_stops_with_a_clear_error(corpus):
+    a, _ = corpus
+    loader = build_loader(_cfg([(a, 1.0)], num_workers=0), _always_fails, patch_dim=24)
+    with pytest.raises(RuntimeError, match="could not be tokenized"):
+        next(iter(loader))
+
+
+def test_eval_split_is_a_finite_pass_that_repeats(corpus):
+    a, b = corpus
+    cfg = _cfg([(a, 1.0)], num_workers=0)
+    cfg.eval_sources = [SourceConfig(path=b)]
+    loader = build_loader(cfg, TOK, patch_dim=TOK.tubelet_dim, split="eval", max_batches=3)
+    assert len(loader) == 3
+    first, second = _digests(loader, 99), _digests(loader, 99)
+    assert len(first) == 3 and first == second
+    train = _digests(build_loader(cfg, TOK, patch_dim=TOK.tubelet_dim, max_batches=3), 99)
+    assert not set(first) & set(train)
