@@ -16,7 +16,8 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
 
 from .html_doc import extract_html, local_refs
 from .media import MediaLimits, validate_image, validate_video
@@ -69,14 +70,11 @@ class Unit:
     length: int = 0
     code: str = ""
     reason: str = ""
+    label: str = ""  # the source's name in `meta.source` and keys: its folder name, made unique
 
     @property
     def uid(self) -> str:
-        return f"{self.root_index_name}/{self.rel}" + (f":{self.line}" if self.line else "")
-
-    @property
-    def root_index_name(self) -> str:
-        return os.path.basename(self.root.rstrip("/")) or "root"
+        return f"{self.label}/{self.rel}" + (f":{self.line}" if self.line else "")
 
     @property
     def display(self) -> str:
@@ -119,9 +117,20 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
     excluded = {os.path.realpath(p) for p in exclude}
     units: list[Unit] = []
     hidden = 0
+    seen_real: dict[str, str] = {}
+    labels = Counter()
     for source in sources:
         if not os.path.exists(source) and not os.path.islink(source):
             raise FileNotFoundError(f"source {source} does not exist; pass folders or files to build from")
+        real = os.path.realpath(source)
+        if real in seen_real:
+            raise ValueError(f"source {source} is given twice (also as {seen_real[real]}); pass each source once")
+        seen_real[real] = source
+        # Folder name (or a single file's parent folder name); a repeated name gets ~N so keys stay unique.
+        base = os.path.basename(os.path.abspath(source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source)))) or "root"
+        labels[base] += 1
+        label = base if labels[base] == 1 else f"{base}~{labels[base]}"
+        first = len(units)
         if os.path.isdir(source):
             root = os.path.abspath(source)
             files: list[str] = []
@@ -150,6 +159,7 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
             root = os.path.dirname(os.path.abspath(source))
             files = [os.path.basename(source)]
         units.extend(_units_for_files(source, root, sorted(files), standalone_referenced))
+        units[first:] = [replace(u, label=label) for u in units[first:]]
     if hidden:
         log.info("skipped %d hidden files/folders (names starting with '.')", hidden)
     units.sort(key=lambda u: (u.source, u.rel, u.line))

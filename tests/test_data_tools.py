@@ -183,3 +183,13 @@ def test_stream_reader_reads_every_built_document(full):
             n += 1
     reader.close()
     assert n == read_manifest(full)["totals"]["documents"]
+
+
+def test_sources_with_the_same_folder_name_get_distinct_keys(tmp_path):
+    for side in ("a", "b"):
+        (tmp_path / side / "data").mkdir(parents=True)
+        (tmp_path / side / "data" / "x.txt").write_text(f"text from {side}")
+    s = build([str(tmp_path / "a" / "data"), str(tmp_path / "b" / "data")], str(tmp_path / "out"), progress=False)
+    assert s["documents"] == 2 and len(set(_keys(tmp_path / "out"))) == 2
+    with pytest.raises(ValueError, match="given twice"):
+        build([str(tmp_path / "a"), str(tmp_path / "a") + "/"], str(tmp_path / "out2"), progress=False)
