@@ -217,6 +217,7 @@ def build(
     units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced)
     if part[1] > 1:
         units = [u for u in units if int(u.key, 16) % part[1] == part[0]]
+    log.info("found %d inputs%s in %.1fs", len(units), f" for part {part[0]}/{part[1]}" if part[1] > 1 else "", time.perf_counter() - t0)
     header = {"journal": 1, "settings": settings, "units": len(units), "units_sha256": _units_digest(units)}
     if overwrite:
         _remove_outputs(out, name)
@@ -458,9 +459,13 @@ class _Progress:
         now = time.perf_counter()
         if now - self.last > 0.5:
             self.last = now
-            el = max(1e-9, now - self.t0)
-            self.bar.set_postfix_str(f"{self.docs / el:.1f} docs/s, {self.bytes / el / 1e6:.2f} MB/s", refresh=False)
+            self._postfix(now)
+
+    def _postfix(self, now: float) -> None:
+        el = max(1e-9, now - self.t0)
+        self.bar.set_postfix_str(f"{self.docs / el:.1f} docs/s, {self.bytes / el / 1e6:.2f} MB/s", refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
+            self._postfix(time.perf_counter())
             self.bar.close()
