@@ -177,6 +177,14 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
         ext = ext.lower()
         name = os.path.basename(rel)
         full = os.path.join(root, rel)
+        if os.path.islink(full) or not os.path.isfile(full):
+            # Links are resolved now so loops and escapes are reported before anything opens
+            # them; FIFOs, sockets and devices are never opened (a FIFO would block the build).
+            try:
+                real_file_inside(root, full, what="input")
+            except Reject as rej:
+                units.append(Unit(source=source, root=root, rel=rel, kind="reject", code=rej.code, reason=rej.reason))
+                continue
         if ext in IMAGE_EXT or ext in VIDEO_EXT and not (ext == ".ts" and _looks_like_text(full)):
             side = next((stem + s for s in (".txt", ".json") if stem + s in fileset), "")
             if side:
@@ -291,8 +299,16 @@ def _read_checked(unit: Unit, rel_or_path: str, *, limit: int, what: str) -> byt
     size = os.path.getsize(real)
     if size > limit:
         raise Reject("too-large", f"{what} is {size} bytes, above the limit {limit}")
-    with open(real, "rb") as f:
-        return f.read()
+    return _read_file(real, what)
+
+
+def _read_file(path: str, what: str, offset: int = 0, length: int = -1) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+    except OSError as err:
+        raise Reject("unreadable", f"{what}: cannot read {path}: {err.strerror or err}; fix its permissions") from None
 
 
 def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict], dict]:
@@ -325,9 +341,7 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         return segments, meta
     if k == "jsonl":
         real = real_file_inside(unit.root, os.path.join(unit.root, unit.rel), what="JSONL file")
-        with open(real, "rb") as f:
-            f.seek(unit.offset)
-            raw = f.read(unit.length)
+        raw = _read_file(real, "JSONL file", unit.offset, unit.length)
         line = decode_text(raw, st.text, what=f"JSONL line {unit.line}")
         try:
             obj = json.loads(line)
@@ -377,8 +391,7 @@ def _load_media(unit: Unit, seg: dict, st: IngestSettings) -> bytes:
     if size > limit:
         which = "--max-image-bytes" if kind == "image" else "--max-video-bytes"
         raise Reject("too-large", f"{kind} {path} is {size} bytes, above {which} {limit}")
-    with open(real, "rb") as f:
-        return f.read()
+    return _read_file(real, f"{kind} {path}")
 
 
 def _finish(unit: Unit, segments: list[dict], meta: dict, st: IngestSettings, out: dict) -> None:

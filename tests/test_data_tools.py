@@ -193,3 +193,17 @@ def test_sources_with_the_same_folder_name_get_distinct_keys(tmp_path):
     assert s["documents"] == 2 and len(set(_keys(tmp_path / "out"))) == 2
     with pytest.raises(ValueError, match="given twice"):
         build([str(tmp_path / "a"), str(tmp_path / "a") + "/"], str(tmp_path / "out2"), progress=False)
+
+
+def test_fifo_and_unreadable_files_are_rejected_not_opened(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    os.mkfifo(src / "pipe.jsonl")  # opening it would block the build forever
+    (src / "ok.txt").write_text("fine")
+    locked = src / "locked.txt"
+    locked.write_text("secret")
+    locked.chmod(0)
+    s = build([str(src)], str(tmp_path / "out"), progress=False)
+    assert s["rejects"].get("not-a-file") == 1
+    if os.geteuid() != 0:  # root reads anything
+        assert s["rejects"].get("unreadable") == 1
