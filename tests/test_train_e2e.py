@@ -58,3 +58,59 @@ def test_tiny_preset_trains_from_shards_to_falling_loss(shards_and_tokenizer, tm
     assert any("eval/loss/text" in r for r in rows)
     assert latest_checkpoint(run_dir / "checkpoints").name == "step_00000014"
     assert list((run_dir / "tb").rglob("events.out.tfevents*")), "no TensorBoard event file"
+
+
+def _launch(run_dir, root, *extra):
+    import sys
+    from pathlib import Path
+
+    from omniloom.pretrain.config import presets_dir
+
+    return [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+            str(presets_dir() / "accelerate" / "cpu_2proc.yaml"), "-m", "omniloom.pretrain.train",
+            "--config", "tiny", "--run-dir", str(run_dir), "--no-progress",
+            f"data.sources=[{{path: {root / 'shards' / 'train'}}}]", f"data.tokenizer={root / 'tok'}",
+            "data.seq_len=128", "data.batch_size=2", "data.num_workers=2", "model.dim=64", "model.num_heads=2",
+            "model.num_kv_heads=1", "model.rope_sections=[8,12,12]", "model.attention.window=64",
+            "model.moe.expert_dim=64", "model.moe.dense_dim=128", "model.attention.block_size=16",
+            "optim.lr=1e-2", "optim.warmup_steps=2", "train.num_steps=10", "checkpoint.every=3",
+            "logging.tensorboard=false", "train.deterministic=true", *extra]
+
+
+@pytest.mark.slow
+def test_real_stack_sigkill_resume_matches_uninterrupted_2proc_2workers(shards_and_tokenizer, tmp_path):
+    """The key acceptance with the real model and stream: 2 gloo processes x 2 loader workers,
+    SIGKILL mid-run, `checkpoint.resume=auto`, and the loss at every step equals the uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    root = shards_and_tokenizer
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def losses(run_dir):
+        path = run_dir / "metrics.jsonl"
+        return {r["step"]: r["loss"] for r in read_metrics(path) if "loss" in r} if path.exists() else {}
+
+    ref = tmp_path / "ref"
+    proc = subprocess.run(_launch(ref, root), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_launch(killed, root), env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and max(losses(killed), default=0) < 5:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert 5 <= max(losses(killed)) < 10
+    proc = subprocess.run(_launch(killed, root, "checkpoint.resume=auto"), env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert losses(killed) == losses(ref) and sorted(losses(ref)) == list(range(1, 11))
