@@ -30,6 +30,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 import numpy as np
+import torch
+import torch.utils.data
 
 from omniloom.tokenizers.layout import MODALITY_NAMES, TokenizedDoc
 
@@ -233,7 +235,7 @@ def _first_batch_index(consumed: int, logical: int, num_logical: int) -> int:
     return consumed + (logical - consumed) % num_logical
 
 
-class StreamDataset:
+class StreamDataset(torch.utils.data.IterableDataset):
     """The per-rank IterableDataset: each DataLoader worker runs one WorkerStream.
 
     Workers are *logical*: physical worker i serves logical worker (i + consumed) % W, because
@@ -251,8 +253,6 @@ class StreamDataset:
         self.num_logical = max(cfg.num_workers, 1)
 
     def __iter__(self) -> Iterator[tuple[PackedBatch, dict]]:
-        import torch.utils.data
-
         info = torch.utils.data.get_worker_info()
         physical = info.id if info is not None else 0
         logical = (physical + self.consumed) % self.num_logical
@@ -271,21 +271,6 @@ class StreamDataset:
                 index += self.num_logical
         finally:
             stream.close()
-
-
-# Torch's DataLoader wants an IterableDataset subclass; define it lazily to keep torch out of
-# module import time (the CLI imports this module's neighbours for --help).
-def _as_iterable_dataset(ds: StreamDataset):
-    import torch.utils.data
-
-    class _Iterable(torch.utils.data.IterableDataset):
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __iter__(self):
-            return iter(self.inner)
-
-    return _Iterable(ds)
 
 
 class StreamLoader:
@@ -326,10 +311,8 @@ class StreamLoader:
         if self.cfg.num_workers == 0:
             items: Iterator = iter(ds)
         else:
-            import torch.utils.data
-
             items = iter(torch.utils.data.DataLoader(
-                _as_iterable_dataset(ds), batch_size=None, num_workers=self.cfg.num_workers,
+                ds, batch_size=None, num_workers=self.cfg.num_workers,
                 prefetch_factor=self.cfg.prefetch_factor, pin_memory=self.pin_memory, persistent_workers=False))
         for batch, meta in items:
             assert meta["index"] == self.consumed, f"batch {meta['index']} arrived when {self.consumed} was due"
