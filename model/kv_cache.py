@@ -1,0 +1,259 @@
+"""Incremental decoding with a KV cache that keeps each layer kind's attention rule (masks.py).
+
+Legend: B batch (1 for generation), S new tokens, T cached keys, H query heads, K kv heads,
+G = H / K, D head dim, nc completed key blocks, V vocab.
+
+The decoder reuses the model's own code: every layer runs its unchanged `Block.forward`
+(projections, QK-norm, M-RoPE, MoE) with an attention *context* in place of `AttnContext`:
+
+- prefill: the model's own backend over the whole prompt (`AttnContext.attend`), recording each
+  layer's keys and values (and, for B layers, what the next token's block selection needs);
+- step: one new token attends to the cache.
+
+What each layer kind keeps (the rule for query i and key j of one document, masks.py):
+
+- `L` (window): `i - j < window`, so the cache keeps only the last `window` keys (the new one
+  included); older keys are dropped and memory stays flat however long the generation runs.
+- `G` (global): every key of the document.
+- `B` (block top-k): every key, because any earlier block may be selected; the new token attends
+  only to the blocks training would give it: its own block, the document's first block, and the
+  best `num_selected_blocks - 1` completed earlier blocks scored by the *first* query of its block
+  (summed over the group) against each block's mean key. That is exactly `select_blocks` for a
+  causal text query, so cached decoding computes the same attention as the full forward. The
+  mean key of a block is computed once, when the block completes, and kept.
+
+Generated tokens are text (causal); visual blocks come only from the prompt. One document per
+row: the prompt starts at position 0 and attention never needs a document mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import AttnContext
+from .embeddings import mrope_angles
+from .masks import build_mask_info
+
+
+@dataclass
+class LayerCache:
+    """Keys/values of one layer plus their absolute token indices. `keep`: how many of the most
+    recent keys survive (None: all)."""
+
+    kind: str
+    keep: int | None
+    k_BKTD: torch.Tensor | None = None
+    v_BKTD: torch.Tensor | None = None
+    idx_T: torch.Tensor | None = None  # int64 absolute index of every cached key
+    # B layers only: mean key of every completed block [B, K, nc, D] fp32, and the summed group
+    # query of the first token of the current block [B, K, D] fp32 (the block's scoring query)
+    kmean_BKnD: torch.Tensor | None = None
+    rep_q_BKD: torch.Tensor | None = None
+    _tail: list = field(default_factory=list)
+
+    @property
+    def num_keys(self) -> int:
+        return 0 if self.k_BKTD is None else int(self.k_BKTD.shape[2])
+
+    def append(self, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, idx_S: torch.Tensor) -> None:
+        if self.k_BKTD is None:
+            self.k_BKTD, self.v_BKTD, self.idx_T = k_BKSD, v_BKSD, idx_S
+        else:
+            self.k_BKTD = torch.cat([self.k_BKTD, k_BKSD], dim=2)
+            self.v_BKTD = torch.cat([self.v_BKTD, v_BKSD], dim=2)
+            self.idx_T = torch.cat([self.idx_T, idx_S])
+        if self.keep is not None and self.num_keys > self.keep:
+            # contiguous copies so the dropped keys are really freed
+            self.k_BKTD = self.k_BKTD[:, :, -self.keep:].contiguous()
+            self.v_BKTD = self.v_BKTD[:, :, -self.keep:].contiguous()
+            self.idx_T = self.idx_T[-self.keep:].contiguous()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_BKTD, self.v_BKTD, self.kmean_BKnD) if t is not None)
+
+
+class _PrefillContext(AttnContext):
+    """The model's own attention over the prompt, recording each layer's keys and values."""
+
+    def __init__(self, decoder: "CachedDecoder", *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decoder = decoder
+        self.layer = -1
+
+    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind):
+        out = super().attend(q_BHSD, k_BKSD, v_BKSD, kind)
+        self.decoder._record_prefill(self.layer, q_BHSD, k_BKSD, v_BKSD)
+        return out
+
+
+class _StepContext:
+    """Stands in for AttnContext during a decode step: the new token attends to the cache."""
+
+    def __init__(self, decoder: "CachedDecoder", index: int):
+        self.decoder, self.index, self.layer = decoder, index, -1
+
+    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind):
+        return self.decoder._attend_step(self.layer, self.index, q_BHSD, k_BKSD, v_BKSD)
+
+
+class CachedDecoder:
+    """KV-cached incremental decoding for an `OmniModel` (one document per batch row).
+
+        dec = CachedDecoder(model)
+        logits_BV = dec.prefill(input_ids, positions, modality, block_ids, patches, patch_kind)
+        logits_BV = dec.step(next_ids_B, modality_code)      # one token, position = last + 1
+
+    Prompt tensors are PackedBatch fields of a single document without padding (doc_ids all 0).
+    Logits come from the fp32 head, like `OmniModel.forward(return_logits=True)`."""
+
+    def __init__(self, model):
+        self.model = model
+        cfg = model.cfg
+        self.cfg = cfg
+        att = cfg.attention
+        self.window, self.block_size, self.num_selected = att.window, att.block_size, att.num_selected_blocks
+        self.kinds = [layer.attn.kind for layer in model.layers]
+        self.caches: list[LayerCache] = []
+        self.length = 0  # tokens in the sequence so far
+        self.next_position = 0  # (t = h = w) position of the next text token
+
+    # ---- public API ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.caches = [LayerCache(kind, self.window if kind == "L" else None) for kind in self.kinds]
+        self.length, self.next_position = 0, 0
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        modality: torch.Tensor,
+        block_ids: torch.Tensor,
+        patches: torch.Tensor,
+        patch_kind: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the prompt (B, S) through the model with its configured attention backend, fill the
+        cache, and return the logits [B, V] (fp32) for the token after the prompt."""
+        model, cfg = self.model, self.cfg
+        B, S = input_ids.shape
+        if S < 1:
+            raise ValueError("the prompt is empty: it needs at least the bos token")
+        if int(block_ids[:, -1].max()) >= 0:
+            raise ValueError("the prompt ends inside a visual block; end it with the block's close tag")
+        self.reset()
+        x_BSD = model.embed(input_ids, patches, patch_kind)
+        cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
+        doc_ids = torch.zeros_like(input_ids, dtype=torch.int32)
+        info = build_mask_info(doc_ids, block_ids, block_size=self.block_size, window=self.window)
+        ctx = _PrefillContext(self, info, cfg.attention.backend, self.num_selected, x_BSD.device)
+        for i, layer in enumerate(model.layers):
+            ctx.layer = i
+            x_BSD, _ = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality)
+        self.length = S
+        # the last prompt token is text or a close tag, where t == h == w
+        self.next_position = int(positions[0, 0, -1]) + 1
+        return self._logits(x_BSD[:, -1:])
+
+    @torch.no_grad()
+    def step(self, token_ids_B: torch.Tensor, modality_code: int = 0) -> torch.Tensor:
+        """Append one token per row (text or special, never a patch) and return the logits [B, V]
+        of the token after it. `modality_code`: 0 text, 1 code, 4 special (routes the MoE)."""
+        if not self.caches or self.length == 0:
+            raise ValueError("call prefill() with the prompt before step()")
+        model, cfg = self.model, self.cfg
+        ids_B1 = token_ids_B.reshape(-1, 1).to(next(model.parameters()).device)
+        B = ids_B1.shape[0]
+        pos = self.next_position
+        positions_B31 = torch.full((B, 3, 1), pos, dtype=torch.int32, device=ids_B1.device)
+        modality_B1 = torch.full((B, 1), modality_code, dtype=torch.uint8, device=ids_B1.device)
+        empty = torch.zeros(0, max(cfg.patch_dim, cfg.tubelet_dim), device=ids_B1.device)
+        x_B1D = model.embed(ids_B1, empty, torch.zeros(0, dtype=torch.uint8, device=ids_B1.device))
+        cos, sin = mrope_angles(positions_B31, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
+        ctx = _StepContext(self, self.length)
+        for i, layer in enumerate(model.layers):
+            ctx.layer = i
+            x_B1D, _ = layer(x_B1D, cos, sin, ctx, modality_B1)
+        self.length += 1
+        self.next_position += 1
+        return self._logits(x_B1D)
+
+    def cache_bytes(self) -> int:
+        """Memory held by the cache (keys, values, block means)."""
+        return sum(c.nbytes() for c in self.caches)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _logits(self, x_B1D: torch.Tensor) -> torch.Tensor:
+        model = self.model
+        h = model.ops.rms_norm(x_B1D, model.norm, self.cfg.norm_eps)
+        return (h[:, -1].float() @ model.head.weight.float().t())
+
+    def _record_prefill(self, layer: int, q_BHSD, k_BKSD, v_BKSD) -> None:
+        cache = self.caches[layer]
+        S = k_BKSD.shape[2]
+        cache.append(k_BKSD, v_BKSD, torch.arange(S, device=k_BKSD.device))
+        if cache.kind != "B":
+            return
+        bs = self.block_size
+        n_done = S // bs
+        kf = k_BKSD.float()
+        B, K, _, D = kf.shape
+        cache.kmean_BKnD = kf[:, :, : n_done * bs].reshape(B, K, n_done, bs, D).mean(3)
+        if S % bs:  # the next token falls in a started block: its scoring query is that block's first
+            rep = (S // bs) * bs
+            cache.rep_q_BKD = _group_sum(q_BHSD[:, :, rep], K)
+        else:
+            cache.rep_q_BKD = None
+
+    def _attend_step(self, layer: int, i: int, q_BH1D, k_BK1D, v_BK1D) -> torch.Tensor:
+        cache = self.caches[layer]
+        dev = q_BH1D.device
+        cache.append(k_BK1D, v_BK1D, torch.tensor([i], device=dev))
+        k, v, idx_T = cache.k_BKTD, cache.v_BKTD, cache.idx_T
+        B, H, _, D = q_BH1D.shape
+        K = k.shape[1]
+        G = H // K
+        allowed_BKT = (idx_T <= i).view(1, 1, -1).expand(B, K, -1)
+        if cache.kind == "L":
+            allowed_BKT = allowed_BKT & (i - idx_T < self.window).view(1, 1, -1)
+        elif cache.kind == "B":
+            allowed_BKT = allowed_BKT & self._block_choice(cache, i, q_BH1D, K).gather(
+                2, (idx_T // self.block_size).view(1, 1, -1).expand(B, K, -1))
+        q = q_BH1D.reshape(B, K, G, D)
+        scores_BKGT = torch.einsum("bkgd,bktd->bkgt", q, k) * (1.0 / math.sqrt(D))
+        scores_BKGT = scores_BKGT.masked_fill(~allowed_BKT.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores_BKGT, dim=-1, dtype=torch.float32).to(v.dtype)
+        out_BKGD = torch.einsum("bkgt,bktd->bkgd", probs, v)
+        if cache.kind == "B" and (i + 1) % self.block_size == 0:
+            # block i // bs is complete: keep its mean key for later selections
+            bs = self.block_size
+            blk = k[:, :, -bs:].float().mean(2, keepdim=True)
+            assert int(idx_T[-bs]) == i + 1 - bs
+            cache.kmean_BKnD = blk if cache.kmean_BKnD is None else torch.cat([cache.kmean_BKnD, blk], dim=2)
+        return out_BKGD.reshape(B, H, 1, D)
+
+    def _block_choice(self, cache: LayerCache, i: int, q_BH1D, K: int) -> torch.Tensor:
+        """[B, K, nb] bool: the key blocks token i may see in a B layer (select_blocks' rule)."""
+        bs = self.block_size
+        qb = i // bs
+        if i % bs == 0:
+            cache.rep_q_BKD = _group_sum(q_BH1D[:, :, 0], K)
+        B = q_BH1D.shape[0]
+        sel = torch.zeros(B, K, qb + 1, dtype=torch.bool, device=q_BH1D.device)
+        sel[:, :, qb] = True  # own block
+        sel[:, :, 0] = True  # the document's first block (attention sink)
+        n_pick = min(self.num_selected - 1, qb)
+        if n_pick > 0:
+            kmean = cache.kmean_BKnD[:, :, :qb]
+            scores_BKn = torch.einsum("bkd,bknd->bkn", cache.rep_q_BKD, kmean)
+            top = scores_BKn.topk(n_pick, dim=-1).indices
+            sel[:, :, :qb].scatter_(-1, top, True)
+        return sel
+
+
+def _group_sum(q_BHD: torch.Tensor, K: int) -> torch.Tensor:
+    """Queries summed over each kv head's group in fp32, as select_blocks scores them."""
+    B, H, D = q_BHD.shape
+    return q_BHD.float().view(B, K, H // K, D).sum(2)
