@@ -217,3 +217,15 @@ def test_eval_split_is_a_finite_pass_that_repeats(corpus):
     assert len(first) == 3 and first == second
     train = _digests(build_loader(cfg, TOK, patch_dim=TOK.tubelet_dim, max_batches=3), 99)
     assert not set(first) & set(train)
+
+
+@pytest.mark.gpu
+def test_pinned_batches_move_to_cuda(corpus):
+    import torch
+
+    a, _ = corpus
+    loader = build_loader(_cfg([(a, 1.0)]), TOK, patch_dim=TOK.tubelet_dim, pin_memory=True, max_batches=2)
+    for batch in loader:
+        assert batch.input_ids.is_pinned() and batch.patches.is_pinned()
+        on_gpu = batch.to("cuda", non_blocking=True)
+        assert on_gpu.digest() == batch.digest() and on_gpu.patches.device.type == "cuda"
