@@ -119,3 +119,19 @@ def test_flex_matches_sdpa_on_cuda(kind):
         results.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
     for ref, got in zip(*results):
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.slow  # eager flex on CPU costs ~15 s of setup on the shared 2-core machine
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*")
+@pytest.mark.parametrize("kind", ["L", "G", "B"])
+def test_flex_mask_mod_matches_sdpa_forward_on_cpu(kind):
+    """flex needs CUDA for training; its eager forward runs on CPU and checks the mask_mod."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    doc, blk = batch_fields(seq_len=64)
+    info = build_mask_info(doc, blk, block_size=8, window=12)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, 4, 64, 16, generator=g), torch.randn(2, 2, 64, 16, generator=g), torch.randn(2, 2, 64, 16, generator=g)
+    ref = AttnContext(info, "sdpa", 3, q.device).attend(q, k, v, kind)
+    ctx = AttnContext(info, "sdpa", 3, q.device)
+    sel = select_blocks(info, q, k, 3) if kind == "B" else None
+    torch.testing.assert_close(ctx._flex(q, k, v, kind, sel), ref, atol=1e-5, rtol=1e-5)
