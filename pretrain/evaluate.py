@@ -1,0 +1,273 @@
+"""`omniloom eval`: held-out loss and perplexity per modality, and the cross-modal gap.
+
+Documents are read from shards in manifest order (up to `max_docs`), tokenized with the model's own
+tokenizer and scored one document per forward (no packing, so nothing but the document is in
+context). Cross-entropy is attributed to the modality of the *target* token, as in training.
+
+Cross-modal gap: for every document with a visual block, the text is scored twice, once with its
+own image/video and once with every visual block replaced by one from another document of the same
+kind (a donor with the same grid when one of the recent ones has it, else the donor's pixels
+re-tokenized to this document's grid, so the token layout and positions stay identical). The gap is
+
+    mean over text targets after the first visual block of  (loss with donor visual) - (loss with own)
+
+in nats/token, reported separately for image documents and video documents (documents holding both
+are reported as "mixed" in the details). Text before the first block cannot see it (causal), so it
+is left out; a model that reads its visual tokens gets a positive gap, one that ignores them ~0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+MODALITY_NAMES = ("text", "code", "image", "video", "special")
+TEXT, CODE, IMAGE, VIDEO = 0, 1, 2, 3
+DONOR_POOL = 8  # recent visual blocks per kind kept as donors
+
+
+@dataclass
+class _Donor:
+    doc_index: int
+    kind: int
+    grid: tuple[int, int, int]
+    patches_ND: np.ndarray
+
+
+class _Sums:
+    """Sums of CE and counts per key."""
+
+    def __init__(self):
+        self.ce: dict[str, float] = defaultdict(float)
+        self.n: dict[str, int] = defaultdict(int)
+
+    def add(self, key: str, ce_sum: float, count: int) -> None:
+        self.ce[key] += ce_sum
+        self.n[key] += count
+
+    def mean(self, key: str) -> float | None:
+        return self.ce[key] / self.n[key] if self.n.get(key) else None
+
+
+def open_model(path: str | Path, *, device: str = "cpu", tokenizer: str | Path | None = None):
+    """(model, Tokenizer, max_len) from an export folder or a run / checkpoint folder."""
+    from omniloom.tokenizers.text import Tokenizer
+
+    p = Path(path)
+    if (p / "config.json").is_file():
+        from omniloom.model.pretrained import load_pretrained
+
+        model = load_pretrained(p, device=device)
+        tok = Tokenizer.load(tokenizer or p)
+        return model, tok, None
+    from .export import load_checkpoint_model
+
+    model, cfg, ckpt, tok_dir = load_checkpoint_model(p, tokenizer=tokenizer)
+    log.info("evaluating checkpoint %s", ckpt)
+    return model.to(device), Tokenizer.load(tok_dir), cfg.data.seq_len
+
+
+def _resolve_sources(data: str | list[str]):
+    from omniloom.data.config import SourceConfig
+    from omniloom.data.reader import resolve_source
+
+    paths = [d for d in (data.split(",") if isinstance(data, str) else data) if d]
+    if not paths:
+        raise ValueError("--data is empty; pass a shard folder (with manifest.json), a brace pattern or a URL")
+    return [resolve_source(SourceConfig(path=str(d))) for d in paths]
+
+
+def _iter_documents(sets, max_docs: int | None, skipped: Counter):
+    """(doc_json, media) of every readable sample, in manifest order, up to max_docs."""
+    from omniloom.data.reader import SampleError, SampleReader
+
+    seen = 0
+    for shard_set in sets:
+        reader = SampleReader(shard_set.shards)
+        try:
+            for si, shard in enumerate(shard_set.shards):
+                for j in range(shard.num_samples):
+                    if max_docs is not None and seen >= max_docs:
+                        return
+                    seen += 1
+                    try:
+                        yield reader.read_document(si, j)
+                    except SampleError as err:
+                        skipped[err.reason] += 1
+                        log.warning("skipping %s sample %d: %s", shard.name, j, err)
+        finally:
+            reader.close()
+
+
+def resample_patches(patches_ND: np.ndarray, grid: tuple[int, int, int], target: tuple[int, int, int], kind: int, settings) -> np.ndarray:
+    """A visual block's patches re-tokenized to another grid: back to pixels, frames picked evenly
+    and resized, then patchified again (the donor's content at the recipient's layout)."""
+    from PIL import Image
+
+    from omniloom.tokenizers.image import frames_to_patches, patches_to_frames
+
+    tp = 1 if kind == IMAGE else settings.temporal_patch_size
+    frames = patches_to_frames(patches_ND, grid, settings, tp)
+    T, h, w = target
+    p = settings.patch_size
+    pick = np.linspace(0, frames.shape[0] - 1, T * tp).round().astype(int)
+    resized = np.stack([np.asarray(Image.fromarray(frames[i]).resize((w * p, h * p), Image.BILINEAR)) for i in pick])
+    out, got = frames_to_patches(resized, settings, tp)
+    assert tuple(got) == tuple(target), (got, target)
+    return out.astype(np.float32)
+
+
+@torch.no_grad()
+def _token_losses(model, doc, max_len: int, patch_width: int):
+    """Per-target CE [S], target modality [S], valid mask [S] for one document (one piece)."""
+    from omniloom.data.batch import collate_rows
+    from omniloom.data.packing import split_document
+    from omniloom.tokenizers.layout import PAD_ID
+
+    piece = split_document(doc, max(len(doc), 8))[0]
+    batch, _ = collate_rows([[piece]], seq_len=len(piece), pad_id=PAD_ID, patch_dim=patch_width, patch_dtype="float32")
+    dev = next(model.parameters()).device
+    batch = batch.to(dev)
+    out = model(**batch.as_dict(), return_logits=True)
+    labels = batch.labels[0]
+    ce = F.cross_entropy(out.logits[0].float(), labels.clamp(min=0), reduction="none")
+    valid = labels != -100
+    target_mod = torch.roll(batch.modality[0], -1).long()
+    return ce.cpu(), target_mod.cpu(), valid.cpu()
+
+
+def _doc_kind(doc) -> str:
+    kinds = {b.kind for b in doc.blocks}
+    if not kinds:
+        return "text"
+    if kinds == {IMAGE}:
+        return "image"
+    if kinds == {VIDEO}:
+        return "video"
+    return "mixed"
+
+
+def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 200, max_len: int | None = None,
+             progress: bool = True) -> dict:
+    """Loss and perplexity per modality, per document kind, and the cross-modal gap (module doc).
+    Returns the JSON-able result dict (keys `loss`, `perplexity`, `cross_modal_gap`, `counts`, ...)."""
+    from omniloom.data.packing import PackingError
+    from omniloom.tokenizers.layout import VisualBlock
+    from omniloom.tokenizers.settings import DocumentError
+    from omniloom.tokenizers.unified import tokenize_document
+
+    if max_docs is not None and max_docs < 1:
+        raise ValueError("--max-docs must be >= 1")
+    max_len = max_len or 8192
+    sets = _resolve_sources(data)
+    total = sum(s.num_samples for s in sets)
+    total = min(total, max_docs) if max_docs else total
+    patch_width = max(tokenizer.patch_dim, tokenizer.tubelet_dim)
+    model.eval()
+    skipped: Counter = Counter()
+    by_mod, by_kind, gap = _Sums(), _Sums(), {"own": _Sums(), "donor": _Sums()}
+    counts: Counter = Counter()
+    pool: dict[int, deque] = {IMAGE: deque(maxlen=DONOR_POOL), VIDEO: deque(maxlen=DONOR_POOL)}
+    pending: list[tuple[int, object]] = []  # visual docs seen before any donor of their kind
+
+    def score_gap(index: int, doc) -> bool:
+        donors = []
+        for blk in doc.blocks:
+            cands = [d for d in reversed(pool[blk.kind]) if d.doc_index != index]
+            if not cands:
+                return False
+            same = [d for d in cands if tuple(d.grid) == tuple(blk.grid)]
+            donor = same[0] if same else cands[0]
+            if same:
+                patches = donor.patches_ND
+            else:
+                patches = resample_patches(donor.patches_ND, donor.grid, blk.grid, blk.kind, tokenizer.settings)
+                counts["gap_donors_resampled"] += 1
+            donors.append(VisualBlock(start=blk.start, length=blk.length, kind=blk.kind, patches_ND=patches, grid=blk.grid))
+        swapped = type(doc)(ids_L=doc.ids_L, modality_L=doc.modality_L, positions_3L=doc.positions_3L, blocks=donors, key=doc.key)
+        first_end = min(b.start + b.length for b in doc.blocks)
+        kind = _doc_kind(doc)
+        for name, d in (("own", doc), ("donor", swapped)):
+            ce, tmod, valid = _token_losses(model, d, max_len, patch_width)
+            sel = valid & ((tmod == TEXT) | (tmod == CODE))
+            sel[:first_end] = False
+            gap[name].add(kind, float(ce[sel].sum()), int(sel.sum()))
+        counts[f"gap_docs_{kind}"] += 1
+        return True
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="eval", unit="doc", leave=False)
+    for index, (doc_json, media) in enumerate(_iter_documents(sets, max_docs, skipped)):
+        if bar is not None:
+            bar.update()
+        try:
+            doc = tokenize_document(doc_json, media, tokenizer, key=str(index))
+        except DocumentError as err:  # MediaError included
+            skipped[getattr(err, "reason", "bad_document")] += 1
+            log.warning("skipping document %d: %s", index, err)
+            continue
+        if len(doc) > max_len:
+            skipped["too_long"] += 1
+            continue
+        try:
+            ce, tmod, valid = _token_losses(model, doc, max_len, patch_width)
+        except PackingError as err:
+            skipped[err.reason] += 1
+            continue
+        kind = _doc_kind(doc)
+        counts["docs"] += 1
+        counts[f"docs_{kind}"] += 1
+        for m, name in enumerate(MODALITY_NAMES):
+            sel = valid & (tmod == m)
+            if bool(sel.any()):
+                by_mod.add(name, float(ce[sel].sum()), int(sel.sum()))
+        by_mod.add("all", float(ce[valid].sum()), int(valid.sum()))
+        by_kind.add(kind, float(ce[valid].sum()), int(valid.sum()))
+        if doc.blocks:
+            if not score_gap(index, doc):
+                pending.append((index, doc))
+            for blk in doc.blocks:
+                pool[blk.kind].append(_Donor(index, blk.kind, tuple(blk.grid), np.asarray(blk.patches_ND, dtype=np.float32)))
+    for index, doc in pending:  # donors from later documents
+        if not score_gap(index, doc):
+            counts["gap_docs_without_donor"] += 1
+    if bar is not None:
+        bar.close()
+    if counts["docs"] == 0:
+        raise ValueError(f"no document of {data} could be evaluated (skipped: {dict(skipped)})")
+
+    loss = {k: by_mod.mean(k) for k in ("all", *MODALITY_NAMES) if by_mod.mean(k) is not None}
+    result = {
+        "loss": loss,
+        "perplexity": {k: _ppl(v) for k, v in loss.items()},
+        "loss_by_doc_kind": {k: by_kind.mean(k) for k in sorted(by_kind.n)},
+        "cross_modal_gap": {},
+        "cross_modal_gap_detail": {},
+        "counts": {"docs": counts["docs"], **{k: v for k, v in sorted(counts.items()) if k != "docs"},
+                   "tokens": dict(by_mod.n), "skipped": dict(skipped)},
+    }
+    for kind in ("image", "video", "mixed"):
+        own, donor = gap["own"].mean(kind), gap["donor"].mean(kind)
+        value = None if own is None or donor is None else donor - own
+        if kind != "mixed":
+            result["cross_modal_gap"][kind] = value
+        if value is not None:
+            result["cross_modal_gap_detail"][kind] = {"own_visual_loss": own, "donor_visual_loss": donor, "gap": value,
+                                                      "text_tokens": gap["own"].n[kind], "docs": counts[f"gap_docs_{kind}"]}
+    return result
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")

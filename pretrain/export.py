@@ -1,0 +1,411 @@
+"""`omniloom export`: a training checkpoint to a self-contained safetensors folder.
+
+    export/
+      config.json                      model config, tokenizer layout, omniloom version, provenance
+      model.safetensors                (or model-0000i-of-0000N.safetensors + model.safetensors.index.json)
+      tokenizer.model, tokenizer.json  the run's tokenizer, byte for byte
+      README.md                        model card: data, steps, tokens, final losses
+
+Checkpoints are read without unpickling anything (issue 9): accelerate's `model.safetensors`
+through safetensors; `.bin`/`.pt` files through `torch.load(weights_only=True)` (safe_io); FSDP2
+sharded state dicts (torch.distributed.checkpoint folders) offline, with no process group, their
+`.metadata` pickle read by an unpickler that admits only DCP's own metadata classes and the tensor
+payloads by DCP's weights_only loader. `omniloom.model.load_pretrained(DIR)` rebuilds the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from .checkpoint import MARKER, is_complete, latest_checkpoint, list_checkpoints, step_of
+from .safe_io import INDEX_NAME, SINGLE_NAME, parse_size, safe_torch_load, save_sharded
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+# accelerate.save_state file names for the first (only) model, by how the run was sharded
+ACC_SAFETENSORS, ACC_BIN = "model.safetensors", "pytorch_model.bin"
+ACC_FSDP_FULL, ACC_FSDP_DCP = "pytorch_model_fsdp.bin", "pytorch_model_fsdp_0"
+# wrapper segments that DDP / torch.compile / FSDP1 / activation checkpointing can leave in names
+_WRAPPER_SEGMENTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+# ---- finding and reading a checkpoint -------------------------------------------------------------
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run folder -> its newest complete checkpoint; a `step_N` folder -> itself (it must be
+    complete). Raises FileNotFoundError / ValueError saying what to pass instead."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p} does not exist; pass a run folder (with checkpoints/) or a checkpoint step_N folder")
+    if (p / "checkpoints").is_dir():
+        found = latest_checkpoint(p / "checkpoints")
+        if found is None:
+            raise ValueError(f"run {p} has no complete checkpoint yet (checkpoints/ holds none with a {MARKER} marker); "
+                             "train longer or pass a step_N folder")
+        return found
+    if p.name == "checkpoints" and p.is_dir():
+        found = latest_checkpoint(p)
+        if found is None:
+            raise ValueError(f"{p} holds no complete checkpoint")
+        return found
+    if (p / MARKER).exists() or p.name.startswith("step_"):
+        if not is_complete(p):
+            older = [c.name for c in list_checkpoints(p.parent)]
+            raise ValueError(f"checkpoint {p} is incomplete (its write was cut off); "
+                             + (f"use {older[-1]}" if older else "pass the run folder"))
+        return p
+    if (p / "config.json").is_file():
+        raise ValueError(f"{p} is already an export folder; pass a run or checkpoint folder")
+    raise ValueError(f"{p} is neither a run folder (with checkpoints/) nor a checkpoint (step_N with {MARKER})")
+
+
+def load_checkpoint_config(ckpt: Path):
+    """The resolved RunConfig saved with a checkpoint (config.yaml)."""
+    from .config import load_config
+
+    path = Path(ckpt) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{ckpt} has no config.yaml; it was not written by `omniloom train`")
+    return load_config(str(path))
+
+
+def _clean_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Admits only what a torch.distributed.checkpoint `.metadata` file holds: DCP's own metadata
+    classes, torch dtypes / Size / layouts and a few plain types. Anything else (os.system, eval,
+    arbitrary callables) is refused before it can run."""
+
+    _PLAIN = {("builtins", n) for n in ("set", "frozenset", "slice", "tuple", "list", "dict", "int", "float", "str", "bytes", "bool")}
+    _PLAIN |= {("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "Path"),
+               ("torch", "Size"), ("torch.serialization", "_get_layout")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._PLAIN:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        if module.startswith("torch.distributed.checkpoint.") and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):
+                return obj
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+def _safe_dcp_reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            meta_path = Path(self._get_metadata_path(rank))
+            try:
+                metadata = _DCPMetadataUnpickler(io.BytesIO(meta_path.read_bytes())).load()
+            except (pickle.UnpicklingError, AttributeError, EOFError) as err:
+                raise ValueError(f"refusing to load {meta_path}: {err}") from err
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def read_dcp_state_dict(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Consolidated tensors of a torch.distributed.checkpoint folder (e.g. accelerate's FSDP2
+    SHARDED_STATE_DICT), read in this one process with no process group. Keys under `prefix`
+    (accelerate saves `{"model": state_dict}`) are returned without it; non-tensor entries are
+    skipped (they would need unpickling)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} has no .metadata: not a torch.distributed.checkpoint folder")
+    reader = _safe_dcp_reader(path)
+    metadata = reader.read_metadata()
+    keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    if prefix and any(k.startswith(prefix) for k in keys):
+        keys = {k for k in keys if k.startswith(prefix)}
+    if not keys:
+        raise ValueError(f"{path} holds no tensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "no process group: loading in one process" is the point
+        nested = _load_state_dict_from_keys(keys, storage_reader=_safe_dcp_reader(path))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(obj, name):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(obj, torch.Tensor):
+            flat[name] = obj
+
+    walk(nested, "")
+    if prefix:
+        flat = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in flat.items()}
+    return flat
+
+
+def read_checkpoint_weights(ckpt: str | Path) -> dict[str, torch.Tensor]:
+    """The model's full (consolidated) state dict from a checkpoint folder, whatever accelerate
+    wrote: safetensors, a weights-only `.bin`, an FSDP full state dict or an FSDP2 DCP folder."""
+    from safetensors.torch import load_file
+
+    acc = Path(ckpt) / "accelerate"
+    if (acc / ACC_SAFETENSORS).is_file():
+        state = load_file(str(acc / ACC_SAFETENSORS))
+    elif (acc / ACC_FSDP_DCP).is_dir():
+        state = read_dcp_state_dict(acc / ACC_FSDP_DCP)
+    elif (acc / ACC_FSDP_FULL).is_file() or (acc / ACC_BIN).is_file():
+        path = acc / (ACC_FSDP_FULL if (acc / ACC_FSDP_FULL).is_file() else ACC_BIN)
+        state = safe_torch_load(path)
+        if not isinstance(state, dict):
+            raise ValueError(f"{path} does not hold a state dict")
+    elif list(acc.glob("pytorch_model_fsdp_0_rank*.bin")):
+        raise ValueError(f"{acc} holds per-rank FSDP shards saved without DCP; re-save the checkpoint with "
+                         "accelerate's default (DCP) sharded state dict, which omniloom export reads offline")
+    else:
+        raise FileNotFoundError(f"no model weights in {acc} (looked for {ACC_SAFETENSORS}, {ACC_FSDP_DCP}/, "
+                                f"{ACC_FSDP_FULL}, {ACC_BIN})")
+    return {_clean_name(k): v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def find_tokenizer_dir(cfg, ckpt: Path, override: str | Path | None = None) -> Path:
+    """The run's tokenizer folder: `override`, else data.tokenizer as written in the config
+    (as given, or relative to the run folder)."""
+    candidates = [Path(override)] if override else []
+    if not override and cfg.data.tokenizer:
+        t = Path(cfg.data.tokenizer)
+        candidates += [t] if t.is_absolute() else [t, Path(ckpt).parent.parent / t]
+    for c in candidates:
+        if all((c / f).is_file() for f in TOKENIZER_FILES):
+            return c
+    tried = ", ".join(str(c) for c in candidates) or "nothing (data.tokenizer is empty)"
+    raise FileNotFoundError(f"cannot find the run's tokenizer (tried {tried}); pass --tokenizer DIR "
+                            "(the folder made by `omniloom tokenizer train`)")
+
+
+def load_checkpoint_model(path: str | Path, *, tokenizer: str | Path | None = None):
+    """(model in eval mode, RunConfig, checkpoint folder, tokenizer folder) for a run or checkpoint,
+    without writing anything (what `omniloom eval RUN` uses)."""
+    from omniloom.model import OmniModel
+
+    ckpt = resolve_checkpoint(path)
+    cfg = load_checkpoint_config(ckpt)
+    if cfg.model.attention.backend in ("flex", "flash") and not torch.cuda.is_available():
+        att = dataclasses.replace(cfg.model.attention, backend="blocksparse")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=att))
+    model = OmniModel(cfg.model)
+    state = read_checkpoint_weights(ckpt)
+    _load_strict(model, state, ckpt)
+    tok_dir = find_tokenizer_dir(cfg, ckpt, tokenizer)
+    return model.eval(), cfg, ckpt, tok_dir
+
+
+def _load_strict(model, state: dict, where) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{where}: checkpoint weights do not match its config.yaml (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    for name, t in expected.items():
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ValueError(f"{where}: {name} has shape {tuple(state[name].shape)}, the config implies {tuple(t.shape)}")
+    model.load_state_dict(state, strict=True)
+
+
+# ---- writing an export -------------------------------------------------------------------------
+@dataclasses.dataclass
+class ExportResult:
+    out_dir: Path
+    checkpoint: Path | None
+    files: list[Path]
+    num_params: int
+    total_bytes: int
+
+
+def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp32", max_shard_size: str | int = "5GB",
+                      tokenizer: str | Path | None = None) -> ExportResult:
+    """Export a run (its newest complete checkpoint) or a checkpoint folder into `out_dir`.
+
+    dtype "bf16" stores the matrices in bfloat16; 1-D tensors (norm weights, router biases) stay
+    fp32, being tiny and what routing and normalization are most sensitive to."""
+    from omniloom.model import OmniModel
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    parse_size(max_shard_size)  # a malformed size fails before any reading
+    ckpt = resolve_checkpoint(src)
+    out = Path(out_dir)
+    if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
+        raise ValueError(f"--out {out} lies inside the checkpoint {ckpt}; choose another folder")
+    cfg = load_checkpoint_config(ckpt)
+    tok_dir = find_tokenizer_dir(cfg, ckpt, tokenizer)
+    log.info("exporting %s", ckpt)
+    state = read_checkpoint_weights(ckpt)
+    model = OmniModel(cfg.model)  # validates names and shapes against the config before anything is written
+    _load_strict(model, state, ckpt)
+    trainer = _trainer_state(ckpt)
+    step = int(trainer.get("step", step_of(ckpt)))
+    tokens_seen = int(trainer.get("tokens_seen", 0))
+    source = {"checkpoint": str(ckpt.resolve()), "step": step, "tokens_seen": tokens_seen}
+    card = model_card(cfg, ckpt, step=step, tokens_seen=tokens_seen, num_params=model.num_params(),
+                      num_active=model.num_active_params(), dtype=dtype)
+    result = save_export(model, tok_dir, out, dtype=dtype, max_shard_size=max_shard_size, source=source, card=card)
+    result.checkpoint = ckpt
+    return result
+
+
+def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
+                max_shard_size: str | int = "5GB", source: dict | None = None, card: str | None = None) -> ExportResult:
+    """Write an in-memory OmniModel and its tokenizer folder as an export folder (what
+    `export_checkpoint` does after reading a checkpoint; also handy after training in a notebook)."""
+    from omniloom.model.pretrained import CONFIG_NAME, FORMAT, FORMAT_VERSION
+
+    from .cli import version
+    from .config_io import to_dict
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    limit = parse_size(max_shard_size)
+    if limit <= 0:
+        raise ValueError("--max-shard-size must be positive")
+    tok_dir = Path(tokenizer_dir)
+    if not all((tok_dir / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{tok_dir} lacks {' / '.join(TOKENIZER_FILES)}; pass the folder made by `omniloom tokenizer train`")
+    tok_info = json.loads((tok_dir / "tokenizer.json").read_text())
+    mcfg = model.cfg
+    if tok_info.get("vocab_size") not in (None, mcfg.vocab_size):
+        raise ValueError(f"tokenizer {tok_dir} has vocab_size {tok_info.get('vocab_size')} but the model has "
+                         f"{mcfg.vocab_size}; pass the run's own tokenizer with --tokenizer")
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if dtype != "fp32":
+        state = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() and v.dim() > 1 else v) for k, v in state.items()}
+    source = dict(source or {})
+    model_dict = to_dict(mcfg)
+    meta = {"format": "pt", "omniloom_version": version(), "omniloom_format": FORMAT, "dtype": dtype,
+            "model_config": json.dumps(model_dict, sort_keys=True)}
+    meta.update({k: str(v) for k, v in source.items() if k in ("step", "tokens_seen")})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = save_sharded(state, out, max_shard_size=limit, metadata=meta)
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).resolve() != (out / name).resolve():
+            shutil.copyfile(tok_dir / name, out / name)
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "omniloom_version": version(),
+        "model": model_dict,
+        "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+        "num_params": model.num_params(),
+        "num_active_params": model.num_active_params(),
+        "tokenizer": {
+            "files": list(TOKENIZER_FILES),
+            "vocab_size": tok_info.get("vocab_size"),
+            "special_ids": tok_info.get("special_ids"),
+            "patch_dim": tok_info.get("patch_dim"),
+            "tubelet_dim": tok_info.get("tubelet_dim"),
+            "patch_layout": tok_info.get("patch_layout"),
+            "media": tok_info.get("media"),
+            "model_sha256": tok_info.get("model_sha256"),
+        },
+        "weights": {"files": [f.name for f in files], "index": INDEX_NAME if len(files) > 1 else None,
+                    "max_shard_size": limit},
+        "source": source,
+    }
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    if card is None:
+        card = (f"# omniloom model\n\n{model.num_params() / 1e6:.2f} M parameters, exported from memory "
+                f"({dtype}).\n\nLoad with `omniloom.model.load_pretrained(DIR)`.\n")
+    (out / "README.md").write_text(card.replace("WEIGHT_FILES", f"{len(files)} safetensors file(s)"))
+    total = sum(f.stat().st_size for f in files)
+    log.info("wrote %d weight file(s), %.1f MB, to %s", len(files), total / 1e6, out)
+    return ExportResult(out, None, files, model.num_params(), total)
+
+
+def _trainer_state(ckpt: Path) -> dict:
+    path = ckpt / "trainer.pt"
+    if not path.is_file():
+        return {}
+    state = safe_torch_load(path)  # refuses a pickle that carries code
+    return state if isinstance(state, dict) else {}
+
+
+def _final_losses(run_dir: Path) -> dict[str, float]:
+    from .metrics import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    out: dict[str, float] = {}
+    for row in read_metrics(path):  # later rows overwrite earlier ones: the last value of each key wins
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and (k == "loss" or k.startswith(("loss/", "eval/loss"))):
+                out[k] = float(v)
+    return out
+
+
+def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int, num_active: int, dtype: str) -> str:
+    """A short README: what the model is, what it saw, how it ended, how to load it."""
+    m = cfg.model
+    sources = [f"- `{s.path}` (weight {s.weight:g})" for s in cfg.data.sources] or ["- (not recorded)"]
+    heldout = [f"- `{s.path}`" for s in cfg.data.eval_sources]
+    losses = _final_losses(ckpt.parent.parent)
+    loss_lines = [f"| {k} | {v:.4f} |" for k, v in sorted(losses.items())]
+    lines = [
+        "# omniloom model",
+        "",
+        f"A native multimodal sparse-attention MoE decoder (text, code, images, videos in one token stream), "
+        f"trained from scratch with omniloom.",
+        "",
+        "## Model",
+        f"- {num_params / 1e6:.2f} M parameters, {num_active / 1e6:.2f} M active per token; {m.num_layers} layers, "
+        f"width {m.dim}, {m.num_heads} heads ({m.num_kv_heads} kv), vocabulary {m.vocab_size}",
+        f"- attention pattern `{m.attention.pattern}` (L window {m.attention.window}, G global, B top-"
+        f"{m.attention.num_selected_blocks} of {m.attention.block_size}-token blocks)",
+        f"- MoE: {m.moe.num_experts} experts, top-{m.moe.num_experts_per_token}, {m.moe.num_shared_experts} shared, "
+        f"first {m.moe.num_dense_layers} layer(s) dense",
+        f"- weights: {dtype}, WEIGHT_FILES",
+        "",
+        "## Training",
+        f"- steps: {step}",
+        f"- tokens seen: {tokens_seen:,}",
+        f"- sequence length {cfg.data.seq_len}, {cfg.data.batch_size} rows per rank per step",
+        "- data:",
+        *sources,
+    ]
+    if heldout:
+        lines += ["- held-out data:", *heldout]
+    lines += ["", "## Final losses (nats/token, from metrics.jsonl)", ""]
+    lines += (["| metric | value |", "|---|---|", *loss_lines] if loss_lines else ["(no metrics.jsonl found beside the checkpoint)"])
+    lines += [
+        "",
+        "## Use",
+        "```",
+        "from omniloom.model import load_pretrained",
+        "model = load_pretrained('THIS_FOLDER')",
+        "```",
+        "`omniloom generate THIS_FOLDER --prompt TEXT [--image PATH]`, `omniloom eval THIS_FOLDER --data SHARDS`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["ExportResult", "export_checkpoint", "save_export", "find_tokenizer_dir", "load_checkpoint_config", "load_checkpoint_model",
+           "read_checkpoint_weights", "read_dcp_state_dict", "resolve_checkpoint", "SINGLE_NAME", "INDEX_NAME"]

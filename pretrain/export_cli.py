@@ -1,0 +1,172 @@
+"""CLI: `omniloom export`, `omniloom eval`, `omniloom generate`, and `omniloom bench generate`.
+
+Heavy imports (torch, the model) happen inside the handlers so `omniloom --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _export(args) -> int:
+    from .export import export_checkpoint
+
+    res = export_checkpoint(args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
+    print(f"exported {res.checkpoint} -> {res.out_dir}: {res.num_params / 1e6:.2f} M parameters, "
+          f"{len(res.files)} safetensors file(s), {res.total_bytes / 1e6:.1f} MB")
+    return 0
+
+
+def _eval(args) -> int:
+    import torch
+
+    from .evaluate import evaluate, open_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok, seq_len = open_model(args.model, device=device, tokenizer=args.tokenizer)
+    result = evaluate(model, tok, args.data, max_docs=args.max_docs, max_len=args.max_len, progress=not args.no_progress)
+    result["model"] = str(args.model)
+    result["data"] = args.data
+    text = json.dumps(result, indent=2, sort_keys=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    loss = result["loss"]
+    print("loss (nats/token): " + ", ".join(f"{k}={v:.4f}" for k, v in loss.items()))
+    gap = result["cross_modal_gap"]
+    print("cross-modal gap (nats/token, donor visual - own visual): "
+          + ", ".join(f"{k}={'n/a' if v is None else f'{v:+.4f}'}" for k, v in gap.items()))
+    if args.out:
+        print(f"wrote {args.out}")
+    elif not args.quiet:
+        print(text)
+    return 0
+
+
+def _generate(args) -> int:
+    from .generate import generate_from_export
+
+    text, res = generate_from_export(
+        args.model, args.prompt, image=args.image, video=args.video, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device, use_cache=not args.no_cache,
+    )
+    n = len(res.ids)
+    log.info("%d prompt tokens, %d new tokens in %.2fs (%.1f tok/s), stopped by %s, cache %.1f KB",
+             res.prompt_tokens, n, res.seconds, n / max(res.seconds, 1e-9), res.stopped_by, res.cache_bytes / 1e3)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+        print(f"wrote {args.out}")
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export a run or checkpoint to safetensors + config.json + tokenizer + model card",
+        description="Consolidate a training checkpoint (plain, DDP, or FSDP2 sharded) into an export folder: "
+        "model.safetensors (sharded with model.safetensors.index.json above --max-shard-size, metadata in each "
+        "header), config.json (model config, tokenizer layout, omniloom version), tokenizer.model/.json and a "
+        "README model card. Nothing is unpickled: .pt files load with weights_only. Load the result with "
+        "omniloom.model.load_pretrained(DIR).",
+    )
+    p.add_argument("src", metavar="RUN_OR_CHECKPOINT", help="a run folder (its newest complete checkpoint is used) or a checkpoints/step_N folder")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weight dtype (bf16 keeps 1-D norms/biases in fp32; default fp32)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 2GB, 500MiB (default 5GB)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder, when the run's data.tokenizer path has moved")
+    p.set_defaults(func=_export)
+
+    p = sub.add_parser(
+        "eval",
+        help="held-out loss/perplexity per modality and the cross-modal gap",
+        description="Score held-out shards one document at a time: loss and perplexity by target modality and by "
+        "document kind, and the cross-modal gap: text loss with another document's image/video minus text loss "
+        "with the document's own, in nats/token, for image and video documents (positive: the model reads its "
+        "visual tokens). Writes JSON with keys loss, perplexity, cross_modal_gap, counts.",
+    )
+    p.add_argument("model", metavar="DIR_OR_RUN", help="an export folder, a run folder or a checkpoint folder")
+    p.add_argument("--data", required=True, help="held-out shards: a folder with manifest.json, a brace pattern or URL (comma-separate several)")
+    p.add_argument("--max-docs", type=int, default=200, help="documents to score, in manifest order (default 200)")
+    p.add_argument("--max-len", type=int, default=None, help="skip documents longer than this many tokens (default: the run's seq_len, else 8192)")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the export's, or the run's data.tokenizer)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_eval)
+
+    p = sub.add_parser(
+        "generate",
+        help="sample text from an exported model, optionally conditioned on an image or video",
+        description="Greedy (--temperature 0) or temperature + top-p sampling with a KV cache that keeps each "
+        "attention layer's rule (window layers hold only their window). The prompt is one document: the image "
+        "(then the video) tokenized by the export's tokenizer, then the prompt text.",
+    )
+    p.add_argument("model", metavar="DIR", help="a folder written by `omniloom export`")
+    p.add_argument("--prompt", default="", help="prompt text (may be empty with --image/--video)")
+    p.add_argument("--image", default=None, help="image file placed before the prompt text")
+    p.add_argument("--video", default=None, help="video file placed before the prompt text (after the image)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64; stops at eos)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--out", default=None, help="also write the generated text to this file")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (reference, slow)")
+    p.set_defaults(func=_generate)
+
+
+def _bench_generate(args) -> int:
+    import torch
+
+    from omniloom.model import OmniModel
+    from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
+
+    from .generate import Prompt, generate
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=args.dim, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=2048, patch_token_id=8,
+                      rope_sections=_sec(args.dim // 4), patch_dim=48, tubelet_dim=96,
+                      attention=AttentionConfig(backend="sdpa", pattern="LLBG", window=64, block_size=32, num_selected_blocks=4),
+                      moe=MoEConfig(num_experts=8, num_experts_per_token=2, expert_dim=args.dim, num_dense_layers=1, dense_dim=2 * args.dim))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = OmniModel(cfg).to(device).eval()
+    S = args.prompt_len
+    prompt = Prompt(
+        input_ids=torch.randint(300, 2048, (1, S)), positions=torch.arange(S, dtype=torch.int32).view(1, 1, S).expand(1, 3, S).contiguous(),
+        modality=torch.zeros(1, S, dtype=torch.uint8), block_ids=torch.full((1, S), -1, dtype=torch.int32),
+        patches=torch.zeros(0, 96), patch_kind=torch.zeros(0, dtype=torch.uint8), grids=[],
+    )
+    print(f"device {device}, prompt {S} tokens, {args.new_tokens} new tokens, greedy, eos disabled")
+    rows = []
+    for use_cache in (False, True):
+        res = generate(model, prompt, max_new_tokens=args.new_tokens, use_cache=use_cache, eos_id=-1)
+        rows.append((use_cache, res))
+        print(f"  {'KV cache ' if use_cache else 'no cache '}: {args.new_tokens / res.seconds:8.1f} tok/s  ({res.seconds:.2f}s)"
+              + (f", cache {res.cache_bytes / 1e6:.2f} MB" if use_cache else ""))
+    same = rows[0][1].ids == rows[1][1].ids
+    print(f"  speedup with cache: {rows[0][1].seconds / rows[1][1].seconds:.1f}x; same greedy tokens: {same}")
+    return 0 if same else 1
+
+
+def _sec(head: int) -> tuple[int, int, int]:
+    """An even (t, h, w) split of the head dim for M-RoPE."""
+    t = (head // 4) // 2 * 2
+    h = ((head - t) // 2) // 2 * 2
+    return (t, h, head - t - h)
+
+
+def register_bench(bench_sub) -> None:
+    p = bench_sub.add_parser("generate", help="decode tokens/s with and without the KV cache (same run, same tokens)",
+                             description="Greedy decoding of a random tiny MoE with the KV cache against full recomputation "
+                             "every step; prints tokens/s, the speedup and whether both produced the same tokens.")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--dim", type=int, default=128)
+    p.set_defaults(func=_bench_generate)

@@ -1,0 +1,193 @@
+"""omniloom export: checkpoint -> safetensors folder -> load_pretrained, bit for bit; sharded
+exports, FSDP2 (DCP) checkpoints, bf16, model card, and refusal of pickles that carry code."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from omniloom.model import OmniModel
+from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
+from omniloom.model.pretrained import load_pretrained
+from omniloom.model.synthetic import random_packed_batch
+from omniloom.pretrain.cli import main
+from omniloom.pretrain.export import export_checkpoint, read_checkpoint_weights, resolve_checkpoint
+
+STEP = 7
+
+
+def tiny_model_cfg(tok, pattern="LBG") -> ModelConfig:
+    return ModelConfig(
+        dim=32, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=tok.vocab_size, patch_token_id=tok.patch_id,
+        rope_sections=(2, 2, 4), patch_dim=tok.patch_dim, tubelet_dim=tok.tubelet_dim,
+        attention=AttentionConfig(backend="blocksparse", pattern=pattern, window=12, block_size=8, num_selected_blocks=2),
+        moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=16, num_dense_layers=1, dense_dim=32),
+    )
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from omniloom.tokenizers.testing import make_tiny_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    make_tiny_tokenizer(d)
+    return d
+
+
+def make_run(root: Path, tok_dir: Path, *, layout: str = "safetensors", seed: int = 0) -> tuple[Path, OmniModel]:
+    """A run folder shaped like the trainer's: checkpoints/step_N/{accelerate/..., trainer.pt,
+    config.yaml, COMPLETE} and metrics.jsonl. The model's weights are random but not default."""
+    from safetensors.torch import save_file
+
+    from omniloom.data.config import DataConfig, SourceConfig
+    from omniloom.pretrain.config import RunConfig, to_yaml
+    from omniloom.tokenizers.text import Tokenizer
+
+    tok = Tokenizer.load(tok_dir)
+    cfg = RunConfig(model=tiny_model_cfg(tok), data=DataConfig(tokenizer=str(tok_dir), sources=[SourceConfig(path="shards/train")]))
+    torch.manual_seed(seed)
+    model = OmniModel(cfg.model)
+    with torch.no_grad():  # norms and router biases away from their init so a missed tensor shows
+        for name, t in model.state_dict().items():
+            if t.is_floating_point() and t.dim() == 1:
+                t.add_(torch.randn_like(t) * 0.1)
+    ckpt = root / "checkpoints" / f"step_{STEP:08d}"
+    acc = ckpt / "accelerate"
+    acc.mkdir(parents=True)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    if layout == "safetensors":
+        save_file(sd, str(acc / "model.safetensors"))
+    elif layout == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        with pytest.warns(UserWarning):
+            dcp.save({"model": sd}, checkpoint_id=str(acc / "pytorch_model_fsdp_0"))
+    elif layout == "bin":
+        torch.save({f"module.{k}": v for k, v in sd.items()}, acc / "pytorch_model.bin")
+    torch.save({"step": STEP, "tokens_seen": 12345}, ckpt / "trainer.pt")
+    (ckpt / "config.yaml").write_text(to_yaml(cfg))
+    files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": STEP, "files": files, "world_size": 1}))
+    (root / "metrics.jsonl").write_text(json.dumps({"step": STEP, "loss": 3.25, "loss/text": 3.5}) + "\n")
+    return root, model.eval()
+
+
+def logits_of(model, cfg, seed=3):
+    batch = random_packed_batch(cfg, batch_size=2, seq_len=64, docs_per_row=2, image_grid=(1, 2, 3), video_grid=(2, 2, 2), seed=seed)
+    with torch.no_grad():
+        return model(**batch, return_logits=True).logits
+
+
+def test_export_then_load_gives_bit_identical_logits(tmp_path, tok_dir):
+    run, model = make_run(tmp_path / "run", tok_dir)
+    out = tmp_path / "export"
+    assert main(["-qq", "export", str(run), "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer.model"]
+    loaded = load_pretrained(out)
+    assert torch.equal(logits_of(loaded, loaded.cfg), logits_of(model, model.cfg))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"]["vocab_size"] == model.cfg.vocab_size and cfg["omniloom_version"]
+    assert cfg["tokenizer"]["special_ids"]["patch"] == model.cfg.patch_token_id
+    assert cfg["source"]["step"] == STEP and cfg["source"]["tokens_seen"] == 12345
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["step"] == str(STEP) and json.loads(meta["model_config"])["dim"] == 32
+    card = (out / "README.md").read_text()
+    assert "steps: 7" in card and "12,345" in card and "3.2500" in card and "shards/train" in card
+    assert (out / "tokenizer.model").read_bytes() == (tok_dir / "tokenizer.model").read_bytes()
+
+
+def test_sharded_export_above_tiny_limit_loads_the_same(tmp_path, tok_dir):
+    run, model = make_run(tmp_path / "run", tok_dir)
+    res = export_checkpoint(run, tmp_path / "export", max_shard_size="20KB")
+    assert len(res.files) > 2
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    for f in res.files:  # the limit bounds the tensor bytes of a shard (one oversized tensor gets its own)
+        tensors = _tensors(f)
+        assert sum(t.numel() * t.element_size() for t in tensors) <= 20_000 or len(tensors) == 1
+    loaded = load_pretrained(tmp_path / "export")
+    assert torch.equal(logits_of(loaded, loaded.cfg), logits_of(model, model.cfg))
+
+
+def _tensors(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return [f.get_tensor(k) for k in f.keys()]
+
+
+@pytest.mark.parametrize("layout", ["dcp", "bin"])
+def test_fsdp2_sharded_and_bin_checkpoints_export_the_same(tmp_path, tok_dir, layout):
+    run, model = make_run(tmp_path / "run", tok_dir, layout=layout)
+    state = read_checkpoint_weights(resolve_checkpoint(run))
+    assert set(state) == set(model.state_dict())  # wrapper prefixes ("module.") are gone
+    export_checkpoint(run, tmp_path / "export")
+    loaded = load_pretrained(tmp_path / "export")
+    assert torch.equal(logits_of(loaded, loaded.cfg), logits_of(model, model.cfg))
+
+
+def test_bf16_export_stores_bf16_matrices_and_loads_close(tmp_path, tok_dir):
+    run, model = make_run(tmp_path / "run", tok_dir)
+    export_checkpoint(run, tmp_path / "export", dtype="bf16")
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert sd["head.weight"].dtype == torch.bfloat16 and sd["norm"].dtype == torch.float32
+    loaded = load_pretrained(tmp_path / "export")
+    assert next(loaded.parameters()).dtype == torch.float32
+    torch.testing.assert_close(logits_of(loaded, loaded.cfg), logits_of(model, model.cfg), atol=0.05, rtol=0.05)
+
+
+class _Evil:
+    """A pickle that would create a file when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.parametrize("where", ["weights", "trainer", "dcp_metadata"])
+def test_malicious_pickle_is_refused(tmp_path, tok_dir, where):
+    layout = {"weights": "bin", "trainer": "safetensors", "dcp_metadata": "dcp"}[where]
+    run, _ = make_run(tmp_path / "run", tok_dir, layout=layout)
+    ckpt = resolve_checkpoint(run)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({"w": _Evil(marker)})
+    if where == "weights":
+        torch.save({"w": _Evil(marker)}, ckpt / "accelerate" / "pytorch_model.bin")
+    elif where == "trainer":
+        torch.save({"step": _Evil(marker)}, ckpt / "trainer.pt")
+    else:
+        (ckpt / "accelerate" / "pytorch_model_fsdp_0" / ".metadata").write_bytes(payload)
+    with pytest.raises(ValueError, match="refusing"):
+        export_checkpoint(run, tmp_path / "export")
+    assert not marker.exists()
+    # the CLI reports it as a one-line user error
+    assert main(["-qq", "export", str(run), "--out", str(tmp_path / "export2")]) == 2
+    assert not marker.exists()
+
+
+def test_user_errors(tmp_path, tok_dir, capsys):
+    assert main(["-qq", "export", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
+    run, _ = make_run(tmp_path / "run", tok_dir)
+    ckpt = resolve_checkpoint(run)
+    os.remove(ckpt / "COMPLETE")
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        export_checkpoint(run, tmp_path / "x")
+    with pytest.raises(ValueError, match="incomplete"):
+        export_checkpoint(ckpt, tmp_path / "x")
+    with pytest.raises(FileNotFoundError, match="omniloom export"):
+        load_pretrained(tmp_path / "run")
+    with pytest.raises(ValueError, match="size"):
+        main(["-v", "export", str(run), "--out", str(tmp_path / "x"), "--max-shard-size", "lots"])
