@@ -174,11 +174,14 @@ def make_video_bytes(
     """A synthetic moving-gradient video encoded in memory with PyAV.
 
     With vfr_times, frames are written at exactly those timestamps (seconds): variable frame rate.
-    The frame index is drawn into the red channel's top-left 8x8 block (value 10*i mod 256), so
-    tests can tell which source frame was sampled.
+    The frame index is drawn as a flat gray top-left quadrant (value 10*i mod 256, which survives
+    chroma subsampling, lossy coding and resizing), so tests can tell which frame was sampled.
     """
     import av
 
+    if codec == "libx265" and (width < 64 or height < 48):
+        # libx265 (4.x, through PyAV 18) corrupts the heap on frames smaller than this
+        raise ValueError("libx265 test videos need width >= 64 and height >= 48")
     times = vfr_times if vfr_times is not None else [i / fps for i in range(int(round(seconds * fps)))]
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=container) as out:
@@ -196,7 +199,7 @@ def make_video_bytes(
             arr[..., 0] = (xx * 255 // max(1, width - 1) + i * 9) % 256
             arr[..., 1] = (yy * 255 // max(1, height - 1)) % 256
             arr[..., 2] = (i * 23) % 256
-            arr[:8, :8, 0] = (10 * i) % 256
+            arr[: height // 2, : width // 2, :] = (10 * i) % 256
             frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
             frame.pts = int(round(t / time_base))
             frame.time_base = time_base
