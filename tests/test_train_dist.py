@@ -125,3 +125,28 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_0(tmp_path):
     ckpts = list_checkpoints(tmp_path / "checkpoints")
     assert [p.name for p in ckpts] == [f"step_{result['step']:08d}"]
     assert max(_losses(tmp_path)) == result["step"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """torchrun/SLURM may deliver the signal to one rank first: the stop flag is all-reduced, so both
+    ranks finish the same step, write one complete checkpoint together and exit 0."""
+    proc = subprocess.Popen(_launch_cmd(tmp_path, "--sleep", "0.1", "train.num_steps=10000", "checkpoint.every=0"),
+                            env=_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not (
+                (tmp_path / "metrics.jsonl").exists() and max(_losses(tmp_path), default=0) >= 3):
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            time.sleep(0.05)
+        os.kill(int((tmp_path / "pid_rank1").read_text()), signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-3000:]
+    results = [json.loads((tmp_path / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["stopped_by"] for r in results] == ["signal", "signal"]
+    assert results[0]["step"] == results[1]["step"]
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [f"step_{results[0]['step']:08d}"]

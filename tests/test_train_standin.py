@@ -22,7 +22,6 @@ import os
 import signal
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +78,13 @@ class _Dataset(torch.utils.data.Dataset):
         return make_batch(seed, rank, self.start + i, bs, sl)
 
 
+def _ignore_sigterm(worker_id):
+    """Loader workers leave SIGTERM to the trainer process: torchrun and SLURM signal the whole
+    process group, and a worker that dies first would fail the trainer's next batch before it can
+    save. (torch installs a dying SIGTERM handler in workers; worker_init_fn runs after it.)"""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class StandinLoader:
     """Batches `index = consumed, consumed+1, ...` for this rank through a DataLoader with workers;
     the state is the number of batches handed to the trainer (not the number prefetched)."""
@@ -91,7 +97,8 @@ class StandinLoader:
     def __iter__(self):
         ds = _Dataset(self.seed, self.rank, self.bs, self.sl, self.consumed, self.length - self.consumed, self.sleep)
         dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
-                                         collate_fn=lambda b: b, persistent_workers=False)
+                                         collate_fn=lambda b: b, persistent_workers=False,
+                                         worker_init_fn=_ignore_sigterm if self.num_workers else None)
         for batch in dl:
             self.consumed += 1
             if self.sigterm_at is not None and self.consumed == self.sigterm_at:
@@ -106,6 +113,19 @@ class StandinLoader:
 
     def metrics(self):
         return {"skipped_samples": 0, "batches": self.consumed}
+
+
+@dataclasses.dataclass
+class StandinOutput:
+    """A dataclass like the real ModelOutput (DDP looks for output tensors inside dataclasses)."""
+
+    loss: torch.Tensor
+    ce_loss: torch.Tensor
+    z_loss: torch.Tensor
+    ce_sum_by_modality: torch.Tensor
+    tokens_by_modality: torch.Tensor
+    expert_counts: torch.Tensor
+    output_rms: torch.Tensor
 
 
 class StandinBlock(torch.nn.Module):
@@ -162,7 +182,7 @@ class StandinModel(torch.nn.Module):
         mod_BS = modality.long()
         ce_sum = torch.zeros(5, device=loss.device).index_add_(0, mod_BS[valid_BS], ce_BS[valid_BS].detach())
         count = torch.bincount(mod_BS[valid_BS], minlength=5).float()
-        return SimpleNamespace(loss=loss, ce_loss=ce.detach(), z_loss=z_loss.detach(), ce_sum_by_modality=ce_sum,
+        return StandinOutput(loss=loss, ce_loss=ce.detach(), z_loss=z_loss.detach(), ce_sum_by_modality=ce_sum,
                                tokens_by_modality=count, expert_counts=torch.stack(counts),
                                output_rms=x_BSD.detach().pow(2).mean().sqrt())
 
@@ -212,8 +232,10 @@ def main(argv=None) -> int:
     cfg = load_config(None, base_overrides(args.out) + args.overrides)
     build_model, build_loader = standin_builders(args.sleep, args.sigterm_at)
     trainer = Trainer(cfg, build_model=build_model, build_loader=build_loader, progress=False)
-    result = trainer.fit()
     rank = trainer.acc.process_index
+    with open(os.path.join(args.out, f"pid_rank{rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    result = trainer.fit()
     model = trainer.acc.unwrap_model(trainer.model)
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(args.out, f"params_rank{rank}.pt"))
     with open(os.path.join(args.out, f"result_rank{rank}.json"), "w") as fh:
