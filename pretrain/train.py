@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from . import build as B
-from .checkpoint import CheckpointManager, resolve_resume
+from .checkpoint import CheckpointManager, latest_checkpoint, resolve_resume
 from .config import RunConfig, load_config, to_yaml
 from .config_io import to_dict
 from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector
@@ -116,14 +116,16 @@ class Trainer:
         resume = resolve_resume(cfg.checkpoint.resume, self.ckpt.dir)
         if cfg.checkpoint.resume == "auto" and resume is None:
             log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", self.ckpt.dir)
+        elif not cfg.checkpoint.resume and latest_checkpoint(self.ckpt.dir) is not None:
+            log.warning("%s already holds checkpoints (newest %s) and this run starts fresh: it will overwrite "
+                        "them step by step and append to metrics.jsonl; pass --resume auto to continue instead, "
+                        "or choose another train.run_dir", self.ckpt.dir, latest_checkpoint(self.ckpt.dir).name)
         if resume is not None:
             data_state = self._restore(resume)
         self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
         if data_state is not None:
             self.train_loader.load_state_dict(data_state)
-        # Iterator creation draws from torch's global RNG (DataLoader base seed); fork it so an
-        # uninterrupted and a resumed run keep the same global RNG stream.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]):  # see _next_batch
             self.train_iter = iter(self.train_loader)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -157,16 +159,16 @@ class Trainer:
                 logger.log(record, self.step)
                 logger.progress(self.step, {"loss": stats["loss"], "lr": record["lr"]})
 
-                stop = stats["stop"] > 0
+                stop = stats["stop"] > 0  # a signal reached some rank during this step
                 if stop or self._due(cfg.checkpoint.every) or self.step == cfg.train.num_steps:
                     self.save()
-                if cfg.train.eval_every and self._due(cfg.train.eval_every):
-                    logger.log(self.evaluate(), self.step)
                 if stop:
                     stopped_by = "signal"
                     log.warning("stopped by %s at step %d; resume with checkpoint.resume=auto",
                                 self.shutdown.signal_name or "a signal on another rank", self.step)
                     break
+                if self._due(cfg.train.eval_every):
+                    logger.log(self.evaluate(), self.step)
         finally:
             self.shutdown.restore()
             logger.close()
@@ -224,15 +226,18 @@ class Trainer:
         return reduced, counts_LME
 
     def _next_batch(self):
-        try:
-            batch = next(self.train_iter)
-        except StopIteration:
-            # A finite stream ran out: start the next epoch (the stream decides its own order).
-            log.info("train data exhausted at step %d: starting another pass", self.step)
-            with torch.random.fork_rng(devices=[]):
+        # Loading may draw from torch's global RNG (a DataLoader draws its base seed when its
+        # workers start); forking keeps the training RNG stream independent of when that happens,
+        # which differs between an uninterrupted and a resumed run.
+        with torch.random.fork_rng(devices=[]):
+            try:
+                batch = next(self.train_iter)
+            except StopIteration:
+                # A finite stream ran out: start another pass (the stream decides its own order).
+                log.info("train data exhausted at step %d: starting another pass", self.step)
                 self.train_iter = iter(self.train_loader)
-            batch = next(self.train_iter)
-        return batch.to(self.device)
+                batch = next(self.train_iter)
+        return batch.to(self.device, non_blocking=True) if self.device.type == "cuda" else batch.to(self.device)
 
     def _unpack(self, vec: torch.Tensor) -> dict:
         v = vec.detach().double().cpu()

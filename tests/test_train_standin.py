@@ -41,8 +41,9 @@ class Batch:
     patches: torch.Tensor
     patch_kind: torch.Tensor
 
-    def to(self, device):
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)})
+    def to(self, device, non_blocking=False):
+        return Batch(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+                        for f in dataclasses.fields(self)})
 
 
 def make_batch(seed: int, rank: int, index: int, batch_size: int, seq_len: int) -> Batch:
