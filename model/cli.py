@@ -35,7 +35,7 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--window", type=int, default=512, help="L-layer window")
     p.add_argument("--block-size", type=int, default=64, help="key block size")
     p.add_argument("--selected", type=int, default=8, help="B-layer blocks per query")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls first")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls first (attention: at the shortest length of each kind and backend)")
     p.add_argument("--iters", type=int, default=2, help="timed calls (median reported)")
     p.set_defaults(func=_bench_model)
 

@@ -12,7 +12,8 @@ The rule, for query i and key j of one row (every backend enforces exactly this)
                                     G: nothing more
                                     B: key block j // bs is selected for query i (see `select_blocks`)
 
-The diagonal is always allowed, so no row is empty (padding tokens included). Nothing here
+Documents and visual blocks are contiguous runs of one id in a row (PackedBatch packs them so);
+the gathered-block backends rely on it. The diagonal is always allowed, so no row is empty (padding tokens included). Nothing here
 depends on a query's absolute position beyond `idx`, so a KV-cache decoder can evaluate the same
 rule with an offset and keep only `window` keys for L layers.
 """
