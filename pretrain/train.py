@@ -84,6 +84,9 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, build_model: Callable | None = None,
                  build_loader: Callable | None = None, progress: bool = True):
+        if build_loader is None and not cfg.data.sources:  # fail before minutes of model setup
+            raise ValueError("data.sources is empty: point it at shards made by `omniloom data build`, e.g. "
+                             "data.sources='[{path: shards/train}]' data.tokenizer=tok")
         self.acc = make_accelerator(cfg)
         set_deterministic(cfg.train.deterministic)
         self._build_loader = build_loader or B.build_loader

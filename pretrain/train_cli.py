@@ -21,8 +21,8 @@ def register(sub) -> None:
         "and exit 0; rerun with --resume auto to continue exactly. For several processes or GPUs use "
         "`accelerate launch --config_file configs/accelerate/cpu_2proc.yaml -m omniloom.pretrain.train "
         "--config tiny ...` with the same arguments.",
-        epilog="example: omniloom train tiny data.sources='[{path: shards/train}]' data.tokenizer=tok "
-        "train.num_steps=200",
+        epilog="Options go before PRESET and the overrides. Example: omniloom train --run-dir runs/t1 tiny "
+        "data.sources='[{path: shards/train}]' data.tokenizer=tok train.num_steps=200",
     )
     p.add_argument("preset", nargs="?", default=None, help="preset name or YAML path (or use --config)")
     from .train import add_train_args
@@ -69,6 +69,7 @@ def register_bench(bench_sub) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.sources='[{path: shards}]'")
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.epilog = "Options go before PRESET. Example: omniloom bench train --steps 5 tiny data.seq_len=256"
     p.set_defaults(func=_bench)
 
 

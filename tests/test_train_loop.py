@@ -226,3 +226,33 @@ def test_sigterm_finishes_step_saves_and_returns(tmp_path):
     assert latest.name == "step_00000004" and ckpt_mod.is_complete(latest)
     state = torch.load(latest / "data_rank00000.pt", weights_only=True)
     assert state == {"consumed": 4}
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+SMALL_MODEL = ["model.dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.rope_sections=[8,12,12]",
+               "model.attention.window=32", "model.attention.block_size=16", "model.moe.expert_dim=32",
+               "model.moe.dense_dim=64", "model.num_layers=2", "data.seq_len=64", "data.batch_size=1"]
+
+
+def test_bench_train_prints_throughput_and_breakdown(capsys):
+    from omniloom.pretrain.cli import main
+
+    assert main(["-qq", "bench", "train", "--steps", "2", "--warmup", "1", "tiny", *SMALL_MODEL]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s:" in out and "MFU omitted" in out and "data=synthetic" in out
+    for phase in ("data", "forward", "backward", "optimizer", "other"):
+        assert f"    {phase}" in out, phase
+    assert "train step / forward-only =" in out
+
+
+def test_train_cli_user_errors_exit_2(tmp_path, capsys):
+    from omniloom.pretrain.cli import main
+
+    assert main(["train", "--run-dir", str(tmp_path), "tinyy"]) == 2
+    assert "did you mean 'tiny'" in capsys.readouterr().err
+    assert main(["train", "--run-dir", str(tmp_path), "tiny", "model.vocab_size=64"]) == 2
+    assert "data.sources is empty" in capsys.readouterr().err
+    (tmp_path / "checkpoints" / "step_00000005").mkdir(parents=True)
+    assert main(["train", "--run-dir", str(tmp_path), "--resume", str(tmp_path / "checkpoints" / "step_00000005"),
+                 "tiny", "model.vocab_size=64"]) == 2
+    assert "incomplete" in capsys.readouterr().err
