@@ -87,6 +87,8 @@ class Trainer:
         if build_loader is None and not cfg.data.sources:  # fail before minutes of model setup
             raise ValueError("data.sources is empty: point it at shards made by `omniloom data build`, e.g. "
                              "data.sources='[{path: shards/train}]' data.tokenizer=tok")
+        # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
+        resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / "checkpoints")
         self.acc = make_accelerator(cfg)
         set_deterministic(cfg.train.deterministic)
         self._build_loader = build_loader or B.build_loader
@@ -116,7 +118,6 @@ class Trainer:
 
         # Resume before the loader exists, so the loader starts from the restored position.
         data_state = None
-        resume = resolve_resume(cfg.checkpoint.resume, self.ckpt.dir)
         if cfg.checkpoint.resume == "auto" and resume is None:
             log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", self.ckpt.dir)
         elif not cfg.checkpoint.resume and latest_checkpoint(self.ckpt.dir) is not None:
