@@ -163,8 +163,14 @@ def resolve_source(source: SourceConfig) -> ShardSet:
         else:
             urls = _expand(path)
             beside = _join(_dirname(urls[0]), "manifest.json")
-            if is_local(beside) and os.path.exists(beside):
-                manifest_url = beside
+            if is_local(beside):
+                manifest_url = beside if os.path.exists(beside) else ""
+            elif not urls[0].startswith("pipe:"):
+                try:  # an object-store URL: the manifest usually sits beside the shards
+                    _read_text(beside)
+                    manifest_url = beside
+                except Exception:
+                    manifest_url = ""
     elif path:
         urls = _expand(path)
     if manifest_url:

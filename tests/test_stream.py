@@ -229,3 +229,27 @@ def test_pinned_batches_move_to_cuda(corpus):
         assert batch.input_ids.is_pinned() and batch.patches.is_pinned()
         on_gpu = batch.to("cuda", non_blocking=True)
         assert on_gpu.digest() == batch.digest() and on_gpu.patches.device.type == "cuda"
+
+
+def test_http_shards_with_manifest_beside_them(corpus):
+    """Shards on a web server (object-storage style): streamed with webdataset's gopen (curl)."""
+    import functools
+    import shutil
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    if shutil.which("curl") is None:
+        pytest.skip("webdataset reads http:// through curl, which is not installed")
+    a, _ = corpus
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=a)
+    handler.log_message = lambda *args: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/a-{{000000..000002}}.tar"
+        remote = resolve_source(SourceConfig(path=url))
+        local = resolve_source(SourceConfig(path=a))
+        assert [s.offsets for s in remote.shards] == [s.offsets for s in local.shards]
+        assert SampleReader(remote.shards).read_document(1, 5) == SampleReader(local.shards).read_document(1, 5)
+    finally:
+        server.shutdown()
