@@ -254,5 +254,5 @@ def test_train_cli_user_errors_exit_2(tmp_path, capsys):
     assert "data.sources is empty" in capsys.readouterr().err
     (tmp_path / "checkpoints" / "step_00000005").mkdir(parents=True)
     assert main(["train", "--run-dir", str(tmp_path), "--resume", str(tmp_path / "checkpoints" / "step_00000005"),
-                 "tiny", "model.vocab_size=64"]) == 2
+                 "tiny", "model.vocab_size=64", "data.sources=[{path: /no/such/shards}]"]) == 2
     assert "incomplete" in capsys.readouterr().err
