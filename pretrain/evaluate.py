@@ -78,11 +78,14 @@ def open_model(path: str | Path, *, device: str = "cpu", tokenizer: str | Path |
 
 def _resolve_sources(data: str | list[str]):
     from omniloom.data.config import SourceConfig
-    from omniloom.data.reader import resolve_source
+    from omniloom.data.reader import is_local, resolve_source
 
     paths = [d for d in (data.split(",") if isinstance(data, str) else data) if d]
     if not paths:
         raise ValueError("--data is empty; pass a shard folder (with manifest.json), a brace pattern or a URL")
+    for d in paths:
+        if is_local(str(d)) and not any(c in str(d) for c in "{*?[") and not Path(d).exists():
+            raise FileNotFoundError(f"--data {d}: no such folder or file; pass held-out shards made by `omniloom data build`")
     return [resolve_source(SourceConfig(path=str(d))) for d in paths]
 
 
