@@ -51,8 +51,8 @@ def register(subparsers) -> None:
     t.add_argument("--character-coverage", type=float, default=0.99995, help="share of characters that get their own piece; the rest use byte fallback")
     t.add_argument("--threads", type=int, default=None, help="trainer threads (default: CPU count, at most 16)")
     t.add_argument("--force", action="store_true", help="overwrite an existing tokenizer in --out")
-    for flag, _field, typ, help_ in _MEDIA_FLAGS:
-        t.add_argument(flag, type=typ, default=None, help=help_)
+    for flag, field, typ, help_ in _MEDIA_FLAGS:
+        t.add_argument(flag, type=typ, default=None, help=help_, choices=("clip", "spread") if field == "video_sampling" else None)
     t.set_defaults(func=_train)
 
     e = sub.add_parser("encode", help="print the ids (or pieces) of a text", description="Encode TEXT (or --file) and print the ids, one line.")

@@ -127,7 +127,9 @@ def decode_image(data: bytes, settings: MediaSettings, budget: int | None = None
         arr = np.asarray(img)
     except MediaError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError) as err:
+    except Image.DecompressionBombError as err:
+        raise MediaError("too_large", f"image over PIL's decompression-bomb limit: {err}") from err
+    except UnidentifiedImageError as err:
         raise MediaError("undecodable", f"not a readable image: {err}") from err
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error) as err:
         raise MediaError("undecodable", f"image decode failed: {type(err).__name__}: {err}") from err
