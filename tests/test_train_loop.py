@@ -256,3 +256,23 @@ def test_train_cli_user_errors_exit_2(tmp_path, capsys):
     assert main(["train", "--run-dir", str(tmp_path), "--resume", str(tmp_path / "checkpoints" / "step_00000005"),
                  "tiny", "model.vocab_size=64", "data.sources=[{path: /no/such/shards}]"]) == 2
     assert "incomplete" in capsys.readouterr().err
+
+
+def test_activation_checkpointing_on_the_real_model_gives_identical_gradients():
+    from omniloom.model import OmniModel
+    from omniloom.model.synthetic import random_packed_batch
+
+    cfg = load_config("tiny", SMALL_MODEL + ["model.vocab_size=256", "model.patch_token_id=8",
+                                             "model.patch_dim=48", "model.tubelet_dim=96"]).model
+    torch.manual_seed(0)
+    a, b = OmniModel(cfg), OmniModel(cfg)
+    b.load_state_dict(a.state_dict())
+    assert apply_activation_checkpointing(b) == cfg.num_layers
+    batch = random_packed_batch(cfg, batch_size=2, seq_len=64)
+    out_a, out_b = a(**batch), b(**batch)
+    out_a.loss.backward()
+    out_b.loss.backward()
+    assert torch.equal(out_a.expert_counts, out_b.expert_counts)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        if pa.grad is not None:
+            torch.testing.assert_close(pa.grad, pb.grad, msg=name)
