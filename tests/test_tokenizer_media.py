@@ -167,6 +167,17 @@ def test_container_without_duration():
     assert len(frames) == 3 and info.duration == pytest.approx(3.0, abs=0.15)
 
 
+@pytest.mark.parametrize("rotation", [90, -90])
+def test_display_rotation_applied(rotation):
+    plain, _ = decode_video(make_video_bytes(1.0, 10, 64, 32), S)
+    rotated, _ = decode_video(make_video_bytes(1.0, 10, 64, 32, rotation=rotation), S)
+    assert plain.shape[1] < plain.shape[2] and rotated.shape[1] > rotated.shape[2]  # landscape stored, portrait shown
+    # the marker quadrant (top-left when stored) ends bottom-left after a counterclockwise quarter turn
+    expected = np.rot90(plain[0], 1 if rotation == 90 else -1)
+    assert expected.shape == rotated[0].shape
+    assert np.abs(expected.astype(int) - rotated[0].astype(int)).mean() < 12
+
+
 def test_tubelet_inverse_and_padding():
     frames, _ = decode_video(make_video_bytes(2.5, 10, 32, 24), S)  # 5 frames -> 3 groups of 2
     patches, grid = frames_to_patches(frames, S, S.temporal_patch_size)

@@ -170,10 +170,12 @@ def make_video_bytes(
     codec: str = "libx264",
     container: str = "mp4",
     vfr_times: list[float] | None = None,
+    rotation: int = 0,
 ) -> bytes:
     """A synthetic moving-gradient video encoded in memory with PyAV.
 
     With vfr_times, frames are written at exactly those timestamps (seconds): variable frame rate.
+    rotation (degrees counterclockwise) is stored as the display matrix, as phones record portrait video.
     The frame index is drawn as a flat gray top-left quadrant (value 10*i mod 256, which survives
     chroma subsampling, lossy coding and resizing), so tests can tell which frame was sampled.
     """
@@ -188,6 +190,8 @@ def make_video_bytes(
         rate = Fraction(fps).limit_denominator(1000)
         stream = out.add_stream(codec, rate=rate)
         stream.width, stream.height = width, height
+        if rotation:
+            stream.set_display_rotation(rotation)
         stream.pix_fmt = "yuv420p" if codec not in ("mjpeg",) else "yuvj420p"
         time_base = Fraction(1, 1000)
         stream.codec_context.time_base = time_base

@@ -91,11 +91,41 @@ def _scan_duration(data: bytes) -> float | None:
     return end
 
 
+class _Geometry:
+    """Output frame size, fixed at the first decoded frame: its display rotation (phone videos
+    store landscape pixels plus a rotation) decides which way round the patch grid fits."""
+
+    def __init__(self, width: int, height: int, settings: MediaSettings):
+        self.width, self.height, self.settings = width, height, settings
+        self.rot_k: int | None = None  # quarter turns counterclockwise to display the frame
+        self.size = (0, 0)  # (width, height) handed to swscale, before rotation
+
+    def resolve(self, frame) -> None:
+        if self.rot_k is not None:
+            return
+        try:
+            rotation = frame.rotation or 0  # degrees counterclockwise, from the display matrix
+        except Exception:  # no or malformed side data
+            rotation = 0
+        self.rot_k = int(round(rotation / 90)) % 4
+        w, h = (self.height, self.width) if self.rot_k % 2 else (self.width, self.height)
+        p = self.settings.patch_size
+        gh, gw = fit_grid(h, w, p, self.settings.video_patch_budget)
+        self.size = (gh * p, gw * p) if self.rot_k % 2 else (gw * p, gh * p)
+
+    def pixels(self, frame) -> np.ndarray:
+        self.resolve(frame)
+        w, h = self.size
+        # area averaging: antialiased downscaling, and the cheapest swscale filter
+        arr = frame.to_ndarray(width=w, height=h, format="rgb24", interpolation="AREA")
+        return np.ascontiguousarray(np.rot90(arr, self.rot_k)) if self.rot_k else arr
+
+
 class _Sampler:
     """Assigns decoded frames to target times: each target gets the latest frame at or before it."""
 
-    def __init__(self, targets: list[float], size: tuple[int, int]):
-        self.targets, self.size = targets, size
+    def __init__(self, targets: list[float], geometry: _Geometry):
+        self.targets, self.geometry = targets, geometry
         self.k = 0
         self.prev = None  # (time, av.VideoFrame)
         self.frames: list[np.ndarray] = []
@@ -108,8 +138,7 @@ class _Sampler:
 
     def _take(self, t: float, frame) -> None:
         if self._cache is None or self._cache[0] is not frame:
-            w, h = self.size
-            self._cache = (frame, frame.to_ndarray(width=w, height=h, format="rgb24", interpolation="AREA"))  # area averaging: antialiased downscaling, cheapest in swscale
+            self._cache = (frame, self.geometry.pixels(frame))
         self.frames.append(self._cache[1])
         self.times.append(t)
         self.k += 1
@@ -193,8 +222,7 @@ def decode_video(data: bytes, settings: MediaSettings) -> tuple[np.ndarray, Vide
         if width < 1 or height < 1:
             raise MediaError("undecodable", f"video stream reports size {width}x{height}")
         info.source_size = (width, height)
-        gh, gw = fit_grid(height, width, settings.patch_size, settings.video_patch_budget)
-        size = (gw * settings.patch_size, gh * settings.patch_size)
+        geometry = _Geometry(width, height, settings)
         info.duration = _duration(container, stream)
         fps, budget = settings.video_fps, settings.video_frame_budget
         tb = stream.time_base
@@ -206,18 +234,18 @@ def decode_video(data: bytes, settings: MediaSettings) -> tuple[np.ndarray, Vide
             if info.duration is not None and natural > budget:
                 targets = [info.duration * k / budget for k in range(budget)]
                 if info.duration / budget >= SEEK_MIN_GAP_S:
-                    sampler = _Sampler(targets, size)
+                    sampler = _Sampler(targets, geometry)
                     _spread_by_seeking(container, stream, sampler, info, start)
                     return _finish(sampler, info)
             else:
                 targets = [k / fps for k in range(budget)]
-            sampler = _Sampler(targets, size)
+            sampler = _Sampler(targets, geometry)
             _decode_packets(container, stream, sampler, info, None)
             return _finish(sampler, info)
         # clip: budget frames at fps from clip_start, seeking there rather than decoding up to it
         clip_start = settings.video_clip_start
         targets = [clip_start + k / fps for k in range(budget)]
-        sampler = _Sampler(targets, size)
+        sampler = _Sampler(targets, geometry)
         t0 = None
         if clip_start > 0:
             try:
@@ -251,7 +279,7 @@ def _spread_by_seeking(container, stream, sampler: _Sampler, info: VideoInfo, st
             info.decode_errors += 1
             log.debug("seek to %.2fs failed: %s", target, err)
             continue
-        one = _Sampler([target], sampler.size)
+        one = _Sampler([target], sampler.geometry)
         _decode_packets(container, stream, one, info, start, stop_after=target)
         if not one.done and one.prev is not None:  # the target is past the last frame: take the last one
             one._take(*one.prev)
