@@ -52,6 +52,10 @@ def test_round_trip_exact(tok, text):
     assert tok.decode(tok.encode_array(text)) == text
 
 
+def test_encode_batch_matches_encode(tok):
+    assert tok.encode_batch(ROUND_TRIP[:14]) == [tok.encode(t) for t in ROUND_TRIP[:14]]
+
+
 def test_plain_sentencepiece_gives_the_same_ids(tok, tmp_path):
     tok.save(tmp_path)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))

@@ -134,6 +134,7 @@ def tokenize_document(doc: dict, media: dict[str, bytes] | None, tokenizer: Toke
                 else:
                     patches_ND, grid, info = video_to_tubelets(media[ref], settings)
                     stats["video_decode_errors"] += info.decode_errors
+                    stats["video_corrupt_frames"] += info.corrupt_frames
                     blocks.append(b.block(VIDEO, patches_ND, grid))
             except MediaError as err:
                 if media_errors == "raise":

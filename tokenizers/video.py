@@ -34,7 +34,8 @@ class VideoInfo:
     """What decoding one video did: sampled timestamps (s from the first frame), errors, work."""
 
     timestamps: list[float] = field(default_factory=list)
-    decode_errors: int = 0
+    decode_errors: int = 0  # packets the decoder rejected (their frames are lost, the rest kept)
+    corrupt_frames: int = 0  # frames the decoder returned but flagged corrupt (kept, concealed)
     frames_decoded: int = 0
     seeks: int = 0
     duration: float | None = None
@@ -184,6 +185,8 @@ def _decode_packets(container, stream, sampler: _Sampler, info: VideoInfo, t0: f
             continue
         for frame in frames:
             info.frames_decoded += 1
+            if frame.is_corrupt:
+                info.corrupt_frames += 1
             t = frame.time
             if t is None:  # no timestamps (raw streams): count frames at the nominal rate
                 t = (last + 1.0 / rate) if last is not None else 0.0
