@@ -177,27 +177,27 @@ def test_activation_checkpointing_keeps_keys_and_gradients():
 
 # ---- the loop ----------------------------------------------------------------------------------
 def test_loss_falls_and_metrics_are_logged(tmp_path):
-    trainer = _trainer(tmp_path, "train.num_steps=30", "checkpoint.every=0", "train.eval_every=15",
+    trainer = _trainer(tmp_path, "train.num_steps=20", "checkpoint.every=0", "train.eval_every=10",
                        "train.eval_steps=2", "train.grad_accum_steps=2", "logging.every=5")
     result = trainer.fit()
-    assert result.step == 30 and result.stopped_by == "done"
+    assert result.step == 20 and result.stopped_by == "done"
     assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.5
     rows = read_metrics(tmp_path / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in train_rows] == list(range(1, 31))
+    assert [r["step"] for r in train_rows] == list(range(1, 21))
     full = [r for r in train_rows if "tokens_per_s" in r]
-    assert [r["step"] for r in full] == [5, 10, 15, 20, 25, 30]
+    assert [r["step"] for r in full] == [5, 10, 15, 20]
     for key in ("loss/text", "loss/code", "loss/special", "z_loss", "grad_norm", "lr", "final_out_rms",
                 "data_wait_fraction", "time/forward_s", "time/backward_s", "time/optimizer_s",
                 "moe/max_over_mean", "data/skipped_samples"):
         assert key in full[-1], key
     assert "mfu" not in full[-1]  # no peak on CPU
-    assert full[-1]["tokens_seen"] == 30 * 2 * 4 * 16
+    assert full[-1]["tokens_seen"] == 20 * 2 * 4 * 16
     evals = [r for r in rows if "eval/loss/text" in r]
-    assert [r["step"] for r in evals] == [15, 30]
+    assert [r["step"] for r in evals] == [10, 20]
     assert evals[1]["eval/loss"] < evals[0]["eval/loss"]
-    assert trainer.acc.unwrap_model(trainer.model).bias_updates == 30
-    assert ckpt_mod.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000030"
+    assert trainer.acc.unwrap_model(trainer.model).bias_updates == 20
+    assert ckpt_mod.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000020"
 
 
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
