@@ -63,7 +63,7 @@ class MoEConfig:
     router_z_loss_coef: float = 0.0
     modality_groups: bool = False
     num_visual_experts: int = 0
-    dispatch: Literal["auto", "grouped", "loop"] = "auto"  # auto: grouped matmul where it works
+    dispatch: Literal["auto", "grouped", "loop"] = "auto"  # auto: grouped matmul where it works, loop otherwise
 
 
 @dataclass(kw_only=True)

@@ -109,6 +109,8 @@ class MoE(nn.Module):
             ok = grouped_mm_supported(device, self.w_gate.shape[1], (self.w_gate.shape[2],))
             if self.dispatch_mode == "grouped" and not ok:
                 raise ValueError(f"model.moe.dispatch=grouped is not supported on {device}; use dispatch=auto or loop")
+            # on CUDA one CUTLASS kernel with no host sync; on CPU fewer ops than the loop (3x faster
+            # on the tiny test model, 0.75-0.93x at dim 128 x 16 experts: see omniloom bench model)
             self._use_grouped[key] = ok
         return self._use_grouped[key]
 

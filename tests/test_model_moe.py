@@ -119,3 +119,4 @@ def test_grouped_dispatch_rejects_unaligned_dims():
     with pytest.raises(ValueError, match="multiples of 8"):
         make_moe("grouped", expert_dim=12)
     assert not make_moe("auto", expert_dim=12).use_grouped(torch.device("cpu"))
+    assert make_moe("auto").use_grouped(torch.device("cpu"))
