@@ -2,7 +2,8 @@
 
 Documents are read from shards in manifest order (up to `max_docs`), tokenized with the model's own
 tokenizer and scored one document per forward (no packing, so nothing but the document is in
-context). Cross-entropy is attributed to the modality of the *target* token, as in training.
+context); a document longer than `max_len` (default: the run's seq_len) is scored in pieces cut
+the way training cuts it. Cross-entropy is attributed to the modality of the *target* token, as in training.
 
 Cross-modal gap: for every document with a visual block, the text is scored twice, once with its
 own image/video and once with every visual block replaced by one from another document of the same
@@ -64,11 +65,12 @@ def open_model(path: str | Path, *, device: str = "cpu", tokenizer: str | Path |
 
     p = Path(path)
     if (p / "config.json").is_file():
-        from omniloom.model.pretrained import load_pretrained
+        from omniloom.model.pretrained import load_pretrained, read_export_config
 
+        seq_len = (read_export_config(p).get("source") or {}).get("seq_len")
         model = load_pretrained(p, device=device)
         tok = Tokenizer.load(tokenizer or p)
-        return model, tok, None
+        return model, tok, seq_len
     from .export import load_checkpoint_model
 
     model, cfg, ckpt, tok_dir = load_checkpoint_model(p, tokenizer=tokenizer)
@@ -131,21 +133,23 @@ def resample_patches(patches_ND: np.ndarray, grid: tuple[int, int, int], target:
 
 @torch.no_grad()
 def _token_losses(model, doc, max_len: int, patch_width: int):
-    """Per-target CE [S], target modality [S], valid mask [S] for one document (one piece)."""
+    """Per-target CE [L], target modality [L] and has-a-label mask [L] for one document, scored in
+    pieces of at most `max_len` tokens cut as training cuts them (positions restart per piece)."""
     from omniloom.data.batch import collate_rows
     from omniloom.data.packing import split_document
     from omniloom.tokenizers.layout import PAD_ID
 
-    piece = split_document(doc, max(len(doc), 8))[0]
-    batch, _ = collate_rows([[piece]], seq_len=len(piece), pad_id=PAD_ID, patch_dim=patch_width, patch_dtype="float32")
     dev = next(model.parameters()).device
-    batch = batch.to(dev)
-    out = model(**batch.as_dict(), return_logits=True)
-    labels = batch.labels[0]
-    ce = F.cross_entropy(out.logits[0].float(), labels.clamp(min=0), reduction="none")
-    valid = labels != -100
-    target_mod = torch.roll(batch.modality[0], -1).long()
-    return ce.cpu(), target_mod.cpu(), valid.cpu()
+    ces, mods, valids = [], [], []
+    for piece in split_document(doc, max(max_len, 8)):
+        batch, _ = collate_rows([[piece]], seq_len=len(piece), pad_id=PAD_ID, patch_dim=patch_width, patch_dtype="float32")
+        batch = batch.to(dev)
+        out = model(**batch.as_dict(), return_logits=True)
+        labels = batch.labels[0]
+        ces.append(F.cross_entropy(out.logits[0].float(), labels.clamp(min=0), reduction="none").cpu())
+        valids.append((labels != -100).cpu())
+        mods.append(torch.roll(batch.modality[0], -1).long().cpu())
+    return torch.cat(ces), torch.cat(mods), torch.cat(valids)
 
 
 def _doc_kind(doc) -> str:
@@ -221,9 +225,6 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
             skipped[getattr(err, "reason", "bad_document")] += 1
             log.warning("skipping document %d: %s", index, err)
             continue
-        if len(doc) > max_len:
-            skipped["too_long"] += 1
-            continue
         try:
             ce, tmod, valid = _token_losses(model, doc, max_len, patch_width)
         except PackingError as err:
@@ -238,7 +239,9 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
                 by_mod.add(name, float(ce[sel].sum()), int(sel.sum()))
         by_mod.add("all", float(ce[valid].sum()), int(valid.sum()))
         by_kind.add(kind, float(ce[valid].sum()), int(valid.sum()))
-        if doc.blocks:
+        if doc.blocks and len(doc) > max_len:
+            counts["gap_docs_too_long"] += 1  # a swap must keep the whole document in one context
+        elif doc.blocks:
             if not score_gap(index, doc):
                 pending.append((index, doc))
             for blk in doc.blocks:

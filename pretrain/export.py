@@ -263,7 +263,7 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
     trainer = _trainer_state(ckpt)
     step = int(trainer.get("step", step_of(ckpt)))
     tokens_seen = int(trainer.get("tokens_seen", 0))
-    source = {"checkpoint": str(ckpt.resolve()), "step": step, "tokens_seen": tokens_seen}
+    source = {"checkpoint": str(ckpt.resolve()), "step": step, "tokens_seen": tokens_seen, "seq_len": cfg.data.seq_len}
     card = model_card(cfg, ckpt, step=step, tokens_seen=tokens_seen, num_params=model.num_params(),
                       num_active=model.num_active_params(), dtype=dtype)
     result = save_export(model, tok_dir, out, dtype=dtype, max_shard_size=max_shard_size, source=source, card=card)

@@ -29,7 +29,8 @@ def _eval(args) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok, seq_len = open_model(args.model, device=device, tokenizer=args.tokenizer)
-    result = evaluate(model, tok, args.data, max_docs=args.max_docs, max_len=args.max_len, progress=not args.no_progress)
+    result = evaluate(model, tok, args.data, max_docs=args.max_docs, max_len=args.max_len or seq_len,
+                      progress=not args.no_progress)
     result["model"] = str(args.model)
     result["data"] = args.data
     text = json.dumps(result, indent=2, sort_keys=True)
@@ -94,7 +95,7 @@ def register(sub) -> None:
     p.add_argument("model", metavar="DIR_OR_RUN", help="an export folder, a run folder or a checkpoint folder")
     p.add_argument("--data", required=True, help="held-out shards: a folder with manifest.json, a brace pattern or URL (comma-separate several)")
     p.add_argument("--max-docs", type=int, default=200, help="documents to score, in manifest order (default 200)")
-    p.add_argument("--max-len", type=int, default=None, help="skip documents longer than this many tokens (default: the run's seq_len, else 8192)")
+    p.add_argument("--max-len", type=int, default=None, help="score longer documents in pieces of this many tokens (default: the run's seq_len, else 8192)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the export's, or the run's data.tokenizer)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

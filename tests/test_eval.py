@@ -181,3 +181,14 @@ def test_gap_turns_positive_after_training_on_captioned_images(setup):
         opt.step()
     after = evaluate(model.eval(), tok, str(root / "shards"), progress=False)["cross_modal_gap"]["image"]
     assert after > 0.5 and after > before + 0.5, (before, after)
+
+
+def test_long_documents_are_scored_in_pieces(setup):
+    root, tok, n = setup
+    model = tiny_model(tok)
+    full = evaluate(model, tok, str(root / "shards"), progress=False)
+    short = evaluate(model, tok, str(root / "shards"), max_len=20, progress=False)
+    assert short["counts"]["gap_docs_too_long"] > 0
+    # every document still counts (a block longer than a piece is skipped and counted)
+    assert short["counts"]["docs"] + sum(short["counts"]["skipped"].values()) == n
+    assert short["counts"]["tokens"]["all"] <= full["counts"]["tokens"]["all"]
