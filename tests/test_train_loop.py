@@ -276,3 +276,30 @@ def test_activation_checkpointing_on_the_real_model_gives_identical_gradients():
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         if pa.grad is not None:
             torch.testing.assert_close(pa.grad, pb.grad, msg=name)
+
+
+def test_shipped_accelerate_configs_load_and_fsdp2_wraps_the_model_blocks():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from omniloom.model import OmniModel
+    from omniloom.pretrain.config import presets_dir
+    from omniloom.pretrain.parallel import block_class_names
+
+    paths = sorted((presets_dir() / "accelerate").glob("*.yaml"))
+    names = {p.stem for p in paths}
+    assert {"cpu_2proc", "single_gpu", "multi_gpu", "fsdp2", "multi_node"} <= names
+    loaded = {p.stem: load_config_from_file(str(p)) for p in paths}
+    assert loaded["cpu_2proc"].num_processes == 2 and loaded["cpu_2proc"].use_cpu
+    fsdp = loaded["fsdp2"].fsdp_config
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+    cfg = load_config("tiny", SMALL_MODEL + ["model.vocab_size=256", "model.patch_token_id=8"]).model
+    assert block_class_names(OmniModel(cfg)) == [fsdp["fsdp_transformer_layer_cls_to_wrap"]]
+
+
+def test_presets_have_the_advertised_active_sizes():
+    from omniloom.model import accounting
+
+    for name, lo, hi in (("small_100m", 70e6, 140e6), ("large_1b", 0.8e9, 1.3e9)):
+        cfg = load_config(name, ["model.vocab_size=32768", "model.patch_token_id=8"]).model
+        cfg.validate()
+        assert lo <= accounting.num_active_params(cfg) <= hi, name
