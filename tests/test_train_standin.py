@@ -80,10 +80,11 @@ class _Dataset(torch.utils.data.Dataset):
 
 
 def _ignore_sigterm(worker_id):
-    """Loader workers leave SIGTERM to the trainer process: torchrun and SLURM signal the whole
-    process group, and a worker that dies first would fail the trainer's next batch before it can
-    save. (torch installs a dying SIGTERM handler in workers; worker_init_fn runs after it.)"""
+    """Loader workers leave SIGTERM/SIGINT to the trainer process: torchrun, SLURM and Ctrl-C signal
+    the whole process group, and a worker that dies first would fail the trainer's next batch before
+    it can save. (torch installs a dying SIGTERM handler in workers; worker_init_fn runs after it.)"""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class StandinLoader:
