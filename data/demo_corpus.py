@@ -104,7 +104,7 @@ def _shape_image(rng: np.random.Generator, size: int):
     shape = str(rng.choice(SHAPES))
     size_name = str(rng.choice(list(SIZES)))
     row, col = int(rng.integers(3)), int(rng.integers(3))
-    r = SIZES[size_name] * size / 2
+    r = SIZES[size_name] * size / 2 * rng.uniform(0.85, 1.15)
     cell = size / 3
     cx = (col + 0.5) * cell + rng.uniform(-0.08, 0.08) * size
     cy = (row + 0.5) * cell + rng.uniform(-0.08, 0.08) * size
@@ -140,10 +140,12 @@ def _motion_video(rng: np.random.Generator, size: int, num_frames: int, fps: int
     shape = str(rng.choice(SHAPES))
     direction = str(rng.choice(list(DIRECTIONS)))
     dx, dy = DIRECTIONS[direction]
-    r = 0.16 * size
-    travel = 0.5 * size
-    cx0 = size / 2 - dx * travel / 2 + rng.uniform(-0.05, 0.05) * size * (dx == 0)
-    cy0 = size / 2 - dy * travel / 2 + rng.uniform(-0.05, 0.05) * size * (dy == 0)
+    # size, path length and the lane across the motion vary so clips are rarely identical
+    r = rng.uniform(0.11, 0.19) * size
+    travel = rng.uniform(0.35, 0.6) * size
+    lane = rng.uniform(-0.2, 0.2) * size
+    cx0 = size / 2 - dx * travel / 2 + lane * (dx == 0)
+    cy0 = size / 2 - dy * travel / 2 + lane * (dy == 0)
     frames = []
     for i in range(num_frames):
         t = i / max(1, num_frames - 1)
