@@ -38,19 +38,26 @@ def triton_usable() -> tuple[bool, str]:
 
 def get_ops(mode: KernelMode = "auto", device: str | None = None) -> SimpleNamespace:
     """Return a namespace with one function per op (see OP_NAMES) for the chosen backend, and
-    `name` ("triton" or "reference").
+    `name` ("triton", "auto" or "reference").
 
-    mode "auto": Triton when the target device is CUDA (`device`, else whether CUDA is available)
-    and triton imports; the reference otherwise. "reference": plain PyTorch on any device.
-    "triton": the Triton kernels; a ValueError when they cannot run here."""
+    mode "auto": on a machine with CUDA and triton, name "auto": every call runs Triton on CUDA
+    tensors and the reference on CPU tensors; elsewhere (or with a non-CUDA `device`) the plain
+    reference. "reference": plain PyTorch on any device. "triton": the Triton kernels only (CPU
+    tensors are refused); a ValueError when they cannot run here (no CUDA, no TRITON_INTERPRET=1)."""
     if mode not in ("auto", "reference", "triton"):
         raise ValueError(f"unknown kernels mode '{mode}'; choose auto, reference or triton")
     if mode == "auto":
         usable, _ = triton_usable()
-        on_cuda = device is None or str(device).startswith("cuda")
         import torch
 
-        mode = "triton" if usable and on_cuda and torch.cuda.is_available() else "reference"
+        if not (usable and torch.cuda.is_available()) or (device is not None and not str(device).startswith("cuda")):
+            return _reference_ops()
+        # A model built with "auto" on a CUDA machine may still run on CPU (tests, CPU eval):
+        # each call picks Triton for CUDA tensors and the reference otherwise, by device, not by
+        # trying and failing.
+        from . import custom_ops
+
+        return SimpleNamespace(name="auto", **{n: _by_device(n, custom_ops.OPS[n], getattr(reference, n)) for n in OP_NAMES})
     if mode == "triton":
         usable, why = triton_usable()
         if not usable:
@@ -58,4 +65,16 @@ def get_ops(mode: KernelMode = "auto", device: str | None = None) -> SimpleNames
         from . import custom_ops
 
         return SimpleNamespace(name="triton", **{n: custom_ops.OPS[n] for n in OP_NAMES})
+    return _reference_ops()
+
+
+def _reference_ops() -> SimpleNamespace:
     return SimpleNamespace(name="reference", **{n: getattr(reference, n) for n in OP_NAMES})
+
+
+def _by_device(name: str, fast, ref):
+    def op(x, *args, **kwargs):
+        return (fast if x.is_cuda else ref)(x, *args, **kwargs)
+
+    op.__name__, op.__qualname__, op.__doc__ = name, name, ref.__doc__
+    return op

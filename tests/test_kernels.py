@@ -23,6 +23,13 @@ def test_get_ops_reference_and_auto_on_cpu():
         assert get_ops("auto").name == "reference"
 
 
+def test_auto_dispatch_sends_cpu_tensors_to_the_reference():
+    from omniloom.kernels.ops import _by_device
+
+    op = _by_device("rms_norm", lambda x, *a, **k: "triton", lambda x, *a, **k: "reference")
+    assert op(torch.zeros(2), 1, eps=2) == "reference" and op.__name__ == "rms_norm"
+
+
 def test_get_ops_rejects_unknown_mode():
     with pytest.raises(ValueError, match="auto, reference or triton"):
         get_ops("cuda")  # type: ignore[arg-type]
