@@ -22,11 +22,21 @@ def _export(args) -> int:
     return 0
 
 
+def _set_threads(n: int | None) -> None:
+    if n is not None:
+        import torch
+
+        if n < 1:
+            raise ValueError("--threads must be >= 1")
+        torch.set_num_threads(n)
+
+
 def _eval(args) -> int:
     import torch
 
     from .evaluate import evaluate, open_model
 
+    _set_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok, seq_len = open_model(args.model, device=device, tokenizer=args.tokenizer)
     result = evaluate(model, tok, args.data, max_docs=args.max_docs, max_len=args.max_len or seq_len,
@@ -52,6 +62,7 @@ def _eval(args) -> int:
 def _generate(args) -> int:
     from .generate import generate_from_export
 
+    _set_threads(args.threads)
     text, res = generate_from_export(
         args.model, args.prompt, image=args.image, video=args.video, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device, use_cache=not args.no_cache,
@@ -100,6 +111,7 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the export's, or the run's data.tokenizer)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser(
@@ -120,12 +132,15 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="also write the generated text to this file")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (reference, slow)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice; decode steps are "
+                   "small, so 1 is often fastest on a busy CPU)")
     p.set_defaults(func=_generate)
 
 
 def _bench_generate(args) -> int:
     import torch
 
+    _set_threads(args.threads)
     from omniloom.model import OmniModel
     from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
 
@@ -144,7 +159,8 @@ def _bench_generate(args) -> int:
         modality=torch.zeros(1, S, dtype=torch.uint8), block_ids=torch.full((1, S), -1, dtype=torch.int32),
         patches=torch.zeros(0, 96), patch_kind=torch.zeros(0, dtype=torch.uint8), grids=[],
     )
-    print(f"device {device}, prompt {S} tokens, {args.new_tokens} new tokens, greedy, eos disabled")
+    print(f"device {device} ({torch.get_num_threads()} CPU threads), prompt {S} tokens, {args.new_tokens} new tokens, "
+          "greedy, eos disabled")
     rows = []
     for use_cache in (False, True):
         res = generate(model, prompt, max_new_tokens=args.new_tokens, use_cache=use_cache, eos_id=-1)
@@ -170,4 +186,5 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.set_defaults(func=_bench_generate)
