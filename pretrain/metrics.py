@@ -134,6 +134,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if start_step > 0:
+            _drop_rows_after(self.path, start_step)
         self._fh = open(self.path, "a", buffering=1)
         if tensorboard and accelerator.log_with:
             try:
@@ -176,6 +178,29 @@ class MetricsLogger:
         self._fh.close()
         if self._trackers:
             self.acc.end_training()
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """On resume, forget the rows a killed run wrote after its last checkpoint: those steps are
+    about to be trained again, and each step should appear once in the file."""
+    if not path.exists():
+        return
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row_step = json.loads(line).get("step", 0)
+        except ValueError:  # a line cut off by the kill
+            dropped += 1
+            continue
+        if row_step <= step:
+            keep.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        tmp.replace(path)
+        log.info("metrics.jsonl: dropped %d rows after step %d (re-trained after the resume)", dropped, step)
 
 
 def _plain(v):

@@ -97,6 +97,8 @@ def test_sigkill_mid_training_then_resume_auto_matches_uninterrupted_run(referen
     ref, got = _losses(reference_run), _losses(out)
     assert sorted(got) == list(range(1, 13))
     assert got == ref  # bit-identical losses at every step, before and after the kill
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(1, 13))  # the killed run's rows after its checkpoint were dropped
     p_ref = torch.load(reference_run / "params_rank0.pt", weights_only=True)
     p_got = torch.load(out / "params_rank1.pt", weights_only=True)
     for name in p_ref:
