@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ log = logging.getLogger("omniloom.train")
 MEAN_KEYS = ("loss", "ce_loss", "z_loss", "aux_loss", "router_z_loss", "out_norm")
 SUM_KEYS = ("stop", "tokens")
 _NSCALAR = len(MEAN_KEYS) + len(SUM_KEYS)
-_STOP = MEAN_KEYS.__len__() + SUM_KEYS.index("stop")
+_STOP = len(MEAN_KEYS) + SUM_KEYS.index("stop")
 
 
 @dataclasses.dataclass

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -303,3 +302,16 @@ def test_presets_have_the_advertised_active_sizes():
         cfg = load_config(name, ["model.vocab_size=32768", "model.patch_token_id=8"]).model
         cfg.validate()
         assert lo <= accounting.num_active_params(cfg) <= hi, name
+
+
+@pytest.mark.slow
+def test_compile_trains_and_checkpoints_with_plain_keys(tmp_path):
+    """torch.compile per block (inductor needs a C++ compiler on CPU; minutes on a busy machine)."""
+    trainer = _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=0", "train.compile=true",
+                       "train.deterministic=false")
+    result = trainer.fit()
+    assert result.step == 2 and all(math.isfinite(x) for x in result.losses)
+    from safetensors.torch import load_file
+
+    saved = load_file(str(ckpt_mod.latest_checkpoint(tmp_path / "checkpoints") / "accelerate" / "model.safetensors"))
+    assert set(saved) == set(standin.StandinModel().state_dict())
