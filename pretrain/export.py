@@ -364,8 +364,8 @@ def _final_losses(run_dir: Path) -> dict[str, float]:
 def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int, num_active: int, dtype: str) -> str:
     """A short README: what the model is, what it saw, how it ended, how to load it."""
     m = cfg.model
-    sources = [f"- `{s.path}` (weight {s.weight:g})" for s in cfg.data.sources] or ["- (not recorded)"]
-    heldout = [f"- `{s.path}`" for s in cfg.data.eval_sources]
+    sources = [f"  - `{s.path}` (weight {s.weight:g})" for s in cfg.data.sources] or ["  - (not recorded)"]
+    heldout = [f"  - `{s.path}`" for s in cfg.data.eval_sources]
     losses = _final_losses(ckpt.parent.parent)
     loss_lines = [f"| {k} | {v:.4f} |" for k, v in sorted(losses.items())]
     lines = [

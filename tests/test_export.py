@@ -199,3 +199,11 @@ def test_user_errors(tmp_path, tok_dir, capsys):
         load_pretrained(tmp_path / "run")
     with pytest.raises(ValueError, match="size"):
         main(["-v", "export", str(run), "--out", str(tmp_path / "x"), "--max-shard-size", "lots"])
+
+
+def test_run_folder_picks_newest_complete_checkpoint(tmp_path, tok_dir):
+    run, _ = make_run(tmp_path / "run", tok_dir)
+    (run / "checkpoints" / "step_00000009" / "accelerate").mkdir(parents=True)  # cut off before COMPLETE
+    (run / "checkpoints" / ".tmp-step_00000011").mkdir()
+    assert resolve_checkpoint(run).name == f"step_{STEP:08d}"
+    assert resolve_checkpoint(run / "checkpoints").name == f"step_{STEP:08d}"

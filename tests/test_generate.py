@@ -135,3 +135,13 @@ def test_generate_cli_on_an_export(tok, tmp_path, capsys):
     (tmp_path / "bad.png").write_bytes(b"not an image")
     assert main(["-qq", "generate", str(tmp_path / "export"), "--image", str(tmp_path / "bad.png")]) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_cache_parity_on_cuda_with_triton_kernels(tok, image_prompt, backend):
+    model = tiny_model(tok, backend, pattern="LBGB").cuda()
+    assert model.ops.name == "triton"
+    cached = generate(model, image_prompt, max_new_tokens=12, use_cache=True, eos_id=-1)
+    full = generate(model, image_prompt, max_new_tokens=12, use_cache=False, eos_id=-1)
+    assert cached.ids == full.ids
