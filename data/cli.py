@@ -128,6 +128,12 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--image-size", type=int, default=384, help="width of generated images in pixels (default 384)")
     p.add_argument("--keep", metavar="DIR", help="generate and build under DIR and keep it (default: a temp folder, removed)")
     p.set_defaults(func=_bench)
+    from . import stream_bench
+
+    p = bench_sub.add_parser("stream", help="stream tokens/s, best-fit vs sequential padding, restore vs replay",
+                             description=(stream_bench.__doc__ or "").strip().split("\n\n")[0] or None)
+    stream_bench.add_arguments(p)
+    p.set_defaults(func=stream_bench.run)
 
 
 def _progress(args) -> bool:
