@@ -179,16 +179,19 @@ def bench_kernels(*, device: str, dtype: torch.dtype, tokens: int, check_tokens:
         bound = max(parity.TOLERANCE[dtype], 2 * err_ref)
         correct = (err_fast if fast else err_ref) <= bound
         inp = parity.make_inputs(op, s, dtype, device)
-        ms_ref = time_ms(lambda: parity.run(op, ref, inp, s), device, warmup, iters)
-        ms_fast = time_ms(lambda: parity.run(op, fast, inp, s), device, warmup, iters) if fast else None
+        with torch.no_grad():
+            cots = parity.make_cotangents({k: v.requires_grad_() if v.is_floating_point() else v
+                                           for k, v in parity.forward(op, ref, inp, s).items()})
+        ms_ref = time_ms(lambda: parity.run(op, ref, inp, s, cots=cots), device, warmup, iters)
+        ms_fast = time_ms(lambda: parity.run(op, fast, inp, s, cots=cots), device, warmup, iters) if fast else None
         mem_fast = mem_ref = None
         if measure_memory:
             if device.startswith("cuda"):
-                mem_ref = cuda_peak_bytes(lambda: parity.run(op, ref, inp, s))
-                mem_fast = cuda_peak_bytes(lambda: parity.run(op, fast, inp, s)) if fast else None
+                mem_ref = cuda_peak_bytes(lambda: parity.run(op, ref, inp, s, cots=cots))
+                mem_fast = cuda_peak_bytes(lambda: parity.run(op, fast, inp, s, cots=cots)) if fast else None
             else:
                 mem_ref = cpu_peak_bytes({"op": op, "shapes": s, "dtype": str(dtype).replace("torch.", "")})
-        del inp
+        del inp, cots
         row = Row(op, s, err_fast, err_ref, correct, ms_fast, ms_ref, mem_fast, mem_ref)
         rows.append(row)
         shape = ",".join(f"{k}={v}" for k, v in s.items())

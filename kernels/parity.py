@@ -135,16 +135,24 @@ def forward(op: str, ops, inp: dict, s: dict) -> dict:
     raise ValueError(f"unknown op {op}")
 
 
-def run(op: str, ops, inp: dict, s: dict, seed: int = 1) -> tuple[dict, dict]:
-    """Forward, then backward with seeded fp32 cotangents; returns (outputs, grads of the leaves)."""
-    out = forward(op, ops, inp, s)
+def make_cotangents(out: dict, seed: int = 1) -> dict:
+    """Seeded cotangents (generated in fp32 on CPU, then moved) for the differentiable outputs."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    return {
+        name: torch.randn(o.shape, generator=g).to(o.device, o.dtype)
+        for name, o in out.items()
+        if o.is_floating_point() and o.requires_grad
+    }
+
+
+def run(op: str, ops, inp: dict, s: dict, seed: int = 1, cots: dict | None = None) -> tuple[dict, dict]:
+    """Forward, then backward with seeded cotangents (or the given ones: timing loops pass them
+    in so that generating them is not timed); returns (outputs, grads of the leaves)."""
+    out = forward(op, ops, inp, s)
+    if cots is None:
+        cots = make_cotangents(out, seed)
     leaves = {k: v for k, v in inp.items() if isinstance(v, torch.Tensor) and v.requires_grad}
-    loss = 0.0
-    for name, o in out.items():
-        if o.is_floating_point() and o.requires_grad:
-            cot = torch.randn(o.shape, generator=g).to(o.device, o.dtype)
-            loss = loss + (o * cot).sum()
+    loss = sum((out[name] * c).sum() for name, c in cots.items())
     grads = torch.autograd.grad(loss, list(leaves.values())) if leaves else ()
     return {k: v.detach() for k, v in out.items()}, {f"d{k}": v for k, v in zip(leaves, grads)}
 

@@ -62,10 +62,10 @@ def _rms_norm_bwd_kernel(
     mask = cols < D
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_prog
+    row_start = pid * rows_per_prog  # int32: M < 2**31 rows
     n_rows = tl.minimum(row_start + rows_per_prog, M) - row_start
     for i in range(0, n_rows):
-        r64 = row_start + i  # int64 offsets: M * D may pass 2**31
+        r64 = row_start.to(tl.int64) + i  # int64 offsets: M * D may pass 2**31
         x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + r64 * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + r64)

@@ -144,3 +144,28 @@ def test_reference_permute_roundtrip_is_identity_with_unit_weights():
     assert torch.all(experts[1:] >= experts[:-1])
     back = reference.moe_unpermute(x_nd, perm, torch.full((9, 3), 1 / 3))
     torch.testing.assert_close(back, x)
+
+
+def test_bench_kernels_cli_on_cpu(capsys, tmp_path):
+    import json
+
+    from omniloom.pretrain.cli import main
+
+    out_json = tmp_path / "bench.json"
+    rc = main(["bench", "kernels", "--ops", "rms_norm,moe", "--tokens", "8", "--check-tokens", "4", "--iters", "1",
+               "--no-memory", "--ce-tokens", "64", "--ce-vocab", "500", "--ce-dim", "8", "--ce-chunks", "16",
+               "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "Triton timings need CUDA" in text and "summary: 2 kernels, correct 100%" in text
+    data = json.loads(out_json.read_text())
+    assert [r["op"] for r in data["rows"]] == ["rms_norm", "moe"]
+    mem = data["ce_memory"]
+    assert mem["naive"] > 0 and mem["reference/chunk16"] > 0  # fresh-process RSS figures came back
+
+
+def test_bench_kernels_cli_rejects_unknown_op(capsys):
+    from omniloom.pretrain.cli import main
+
+    assert main(["bench", "kernels", "--ops", "softmax"]) == 2
+    assert "unknown --ops" in capsys.readouterr().err

@@ -16,6 +16,8 @@ import pytest
 
 from omniloom.kernels.parity import TINY_CASES
 
+pytest.importorskip("triton", reason="the Triton backend needs triton (installed with CUDA builds of torch)")
+
 DTYPES = ("float32", "float16")
 
 
