@@ -157,6 +157,8 @@ def test_clip_start_seeks_and_spread_covers_the_whole_video():
     assert_source_frames(frames, 0, 50, 100, 150, 200, 250)
     short = make_video_bytes(2.0, 10, 32, 32)  # shorter than the budget: spread == every target
     assert len(decode_video(short, S.replace(video_sampling="spread"))[0]) == 4
+    # a clip start past the end clips from the start rather than rejecting the video
+    assert len(decode_video(short, S.replace(video_clip_start=30.0))[0]) == 4
 
 
 def test_container_without_duration():

@@ -247,6 +247,9 @@ def decode_video(data: bytes, settings: MediaSettings) -> tuple[np.ndarray, Vide
             return _finish(sampler, info)
         # clip: budget frames at fps from clip_start, seeking there rather than decoding up to it
         clip_start = settings.video_clip_start
+        if info.duration is not None and clip_start >= info.duration:
+            log.debug("clip start %.1fs is past the end (%.1fs): clipping from the start", clip_start, info.duration)
+            clip_start = 0.0
         targets = [clip_start + k / fps for k in range(budget)]
         sampler = _Sampler(targets, geometry)
         t0 = None
@@ -288,7 +291,7 @@ def _spread_by_seeking(container, stream, sampler: _Sampler, info: VideoInfo, st
             one._take(*one.prev)
         if one.frames:
             sampler.frames.append(one.frames[0])
-            sampler.times.append(target)
+            sampler.times.append(one.times[0])
             sampler.k = k + 1
 
 
