@@ -26,6 +26,7 @@ from .masks import MaskInfo, block_ranges, dense_mask, select_blocks, selected_b
 
 log = logging.getLogger(__name__)
 BACKENDS = ("sdpa", "blocksparse", "flex", "flash")
+DENSE_FRACTION = 0.5  # blocksparse runs dense when a query block would gather more of the key blocks
 
 
 def check_backend(name: str) -> None:
@@ -142,6 +143,8 @@ class AttnContext:
                 mask = gathered_mask(info, kind, kv_idx, valid, sel)
             else:
                 kv_idx, mask = self._cached(f"gathered{kind}", lambda: self._gathered(kind))
+                if kv_idx is None:
+                    return self._sdpa(q_BHSD, k_BKSD, v_BKSD, mask)
             return gathered_attention(q_BHSD, k_BKSD, v_BKSD, info.block_size, kv_idx, mask)
         if backend == "flex":
             return self._flex(q_BHSD, k_BKSD, v_BKSD, kind, sel)
@@ -149,6 +152,10 @@ class AttnContext:
 
     def _gathered(self, kind):
         kv_idx, valid = block_ranges(self.info, kind)
+        if kv_idx.shape[-1] > DENSE_FRACTION * self.info.num_blocks:
+            # a G layer over one long document: gathering would copy keys N times over for no
+            # saving, so the same rule runs as one dense masked pass (returned as kv_idx None)
+            return None, dense_mask(self.info, kind)
         return kv_idx, gathered_mask(self.info, kind, kv_idx, valid)
 
     @staticmethod

@@ -44,6 +44,19 @@ def test_blocksparse_matches_sdpa_forward_and_backward(kind):
         torch.testing.assert_close(got, ref)
 
 
+def test_blocksparse_global_layer_over_one_long_document_runs_dense_and_matches():
+    doc = torch.zeros(1, 64, dtype=torch.int32)
+    blk = torch.full((1, 64), -1, dtype=torch.int32)
+    blk[0, 20:30] = 0
+    info = build_mask_info(doc, blk, block_size=8, window=12)
+    ctx = AttnContext(info, "blocksparse", 3, torch.device("cpu"))
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    torch.testing.assert_close(ctx.attend(q, k, v, "G"), AttnContext(info, "sdpa", 3, q.device).attend(q, k, v, "G"))
+    assert ctx.cache["gatheredG"][0] is None  # dense plan
+    ctx.attend(q, k, v, "L")
+    assert ctx.cache["gatheredL"][0] is not None  # window layers gather
+
+
 def test_mask_rule_documents_causality_visual_blocks_and_window():
     doc = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
     blk = torch.tensor([[-1, 0, 0, 0, -1, -1, -1, 1, 1, -1]])
