@@ -19,6 +19,7 @@ _LAZY = {
     "num_params": "accounting",
     "num_active_params": "accounting",
     "flops_per_token": "accounting",
+    "load_pretrained": "pretrained",
 }
 
 __all__ = sorted(_LAZY)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 
 import torch
 import torch.nn as nn
