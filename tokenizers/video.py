@@ -97,7 +97,12 @@ class _Geometry:
     store landscape pixels plus a rotation) decides which way round the patch grid fits."""
 
     def __init__(self, width: int, height: int, settings: MediaSettings):
+        from av.video.reformatter import VideoReformatter
+
         self.width, self.height, self.settings = width, height, settings
+        # one reformatter per video keeps one cached SwsContext: frame.to_ndarray(width=...) builds
+        # a new scaler for every frame, which costs more than the scaling itself
+        self.reformatter = VideoReformatter()
         self.rot_k: int | None = None  # quarter turns counterclockwise to display the frame
         self.size = (0, 0)  # (width, height) handed to swscale, before rotation
 
@@ -118,7 +123,7 @@ class _Geometry:
         self.resolve(frame)
         w, h = self.size
         # area averaging: antialiased downscaling, and the cheapest swscale filter
-        arr = frame.to_ndarray(width=w, height=h, format="rgb24", interpolation="AREA")
+        arr = self.reformatter.reformat(frame, width=w, height=h, format="rgb24", interpolation="AREA").to_ndarray()
         return np.ascontiguousarray(np.rot90(arr, self.rot_k)) if self.rot_k else arr
 
 
