@@ -207,3 +207,43 @@ def test_run_folder_picks_newest_complete_checkpoint(tmp_path, tok_dir):
     (run / "checkpoints" / ".tmp-step_00000011").mkdir()
     assert resolve_checkpoint(run).name == f"step_{STEP:08d}"
     assert resolve_checkpoint(run / "checkpoints").name == f"step_{STEP:08d}"
+
+
+def test_real_training_run_exports_evaluates_and_generates(tmp_path):
+    """The trainer's own checkpoint layout (accelerate save_state, trainer.pt with scheduler state)
+    goes through export, load_pretrained, eval and generate."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    assert main(["-qq", "data", "demo-corpus", "--out", str(tmp_path / "corpus"), "--num-images", "4", "--num-videos", "1",
+                 "--num-heldout-images", "3", "--num-heldout-videos", "1", "--num-interleaved", "1", "--image-size", "32"]) == 0
+    for split in ("train", "heldout"):
+        assert main(["-qq", "data", "build", str(tmp_path / "corpus" / split), "--out", str(tmp_path / "shards" / split)]) == 0
+    assert main(["-qq", "tokenizer", "train", "--data", str(tmp_path / "shards" / "train"), "--vocab-size", "512",
+                 "--out", str(tmp_path / "tok"), "--threads", "1", "--image-patch-budget", "16",
+                 "--video-frame-budget", "4", "--video-patch-budget", "8"]) == 0
+    run = tmp_path / "run"
+    try:
+        assert main(["-qq", "train", "--no-progress", "--run-dir", str(run), "tiny",
+                     f"data.sources=[{{path: {tmp_path / 'shards' / 'train'}}}]", f"data.tokenizer={tmp_path / 'tok'}",
+                     "data.seq_len=128", "data.batch_size=2", "data.num_workers=0", "model.dim=64", "model.num_heads=2",
+                     "model.num_kv_heads=1", "model.rope_sections=[8,12,12]", "model.attention.window=64",
+                     "model.attention.block_size=16", "model.moe.expert_dim=64", "model.moe.dense_dim=128",
+                     "train.num_steps=2", "checkpoint.every=2", "logging.every=1", "logging.tensorboard=false"]) == 0
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+    out = tmp_path / "export"
+    assert main(["-qq", "export", str(run), "--out", str(out), "--max-shard-size", "200KB"]) == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    model = load_pretrained(out)
+    from omniloom.pretrain.export import load_checkpoint_model
+
+    ref, *_ = load_checkpoint_model(run)
+    assert torch.equal(logits_of(model, model.cfg), logits_of(ref, ref.cfg))
+    assert "steps: 2" in (out / "README.md").read_text()
+    assert main(["-qq", "eval", str(out), "--data", str(tmp_path / "shards" / "heldout"), "--out", str(tmp_path / "eval.json"),
+                 "--no-progress"]) == 0
+    assert set(json.loads((tmp_path / "eval.json").read_text())["cross_modal_gap"]) == {"image", "video"}
+    image = next((tmp_path / "corpus" / "heldout").rglob("*.png"))
+    assert main(["-qq", "generate", str(out), "--image", str(image), "--max-new-tokens", "4", "--out", str(tmp_path / "g.txt")]) == 0
