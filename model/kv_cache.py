@@ -29,7 +29,7 @@ row: the prompt starts at position 0 and attention never needs a document mask.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -41,38 +41,70 @@ from .masks import build_mask_info
 @dataclass
 class LayerCache:
     """Keys/values of one layer plus their absolute token indices. `keep`: how many of the most
-    recent keys survive (None: all)."""
+    recent keys survive (None: all). Unbounded caches grow by doubling a preallocated buffer, so
+    a step copies one key, not the whole cache."""
 
     kind: str
     keep: int | None
-    k_BKTD: torch.Tensor | None = None
-    v_BKTD: torch.Tensor | None = None
-    idx_T: torch.Tensor | None = None  # int64 absolute index of every cached key
+    n: int = 0  # keys held
+    _k: torch.Tensor | None = None  # [B, K, capacity, D]
+    _v: torch.Tensor | None = None
+    _idx: torch.Tensor | None = None  # [capacity] int64 absolute index of every cached key
     # B layers only: mean key of every completed block [B, K, nc, D] fp32, and the summed group
     # query of the first token of the current block [B, K, D] fp32 (the block's scoring query)
     kmean_BKnD: torch.Tensor | None = None
     rep_q_BKD: torch.Tensor | None = None
-    _tail: list = field(default_factory=list)
 
     @property
     def num_keys(self) -> int:
-        return 0 if self.k_BKTD is None else int(self.k_BKTD.shape[2])
+        return self.n
+
+    @property
+    def k_BKTD(self) -> torch.Tensor:
+        return self._k[:, :, : self.n]
+
+    @property
+    def v_BKTD(self) -> torch.Tensor:
+        return self._v[:, :, : self.n]
+
+    @property
+    def idx_T(self) -> torch.Tensor:
+        return self._idx[: self.n]
 
     def append(self, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, idx_S: torch.Tensor) -> None:
-        if self.k_BKTD is None:
-            self.k_BKTD, self.v_BKTD, self.idx_T = k_BKSD, v_BKSD, idx_S
-        else:
-            self.k_BKTD = torch.cat([self.k_BKTD, k_BKSD], dim=2)
-            self.v_BKTD = torch.cat([self.v_BKTD, v_BKSD], dim=2)
-            self.idx_T = torch.cat([self.idx_T, idx_S])
-        if self.keep is not None and self.num_keys > self.keep:
-            # contiguous copies so the dropped keys are really freed
-            self.k_BKTD = self.k_BKTD[:, :, -self.keep:].contiguous()
-            self.v_BKTD = self.v_BKTD[:, :, -self.keep:].contiguous()
-            self.idx_T = self.idx_T[-self.keep:].contiguous()
+        S = k_BKSD.shape[2]
+        if self.keep is not None:
+            # window layers: keep the last `keep` keys; a copy of at most `keep` keys per step
+            k = k_BKSD if self._k is None else torch.cat([self.k_BKTD, k_BKSD], dim=2)
+            v = v_BKSD if self._v is None else torch.cat([self.v_BKTD, v_BKSD], dim=2)
+            idx = idx_S if self._idx is None else torch.cat([self.idx_T, idx_S])
+            self._k, self._v, self._idx = (k[:, :, -self.keep:].contiguous(), v[:, :, -self.keep:].contiguous(),
+                                           idx[-self.keep:].contiguous())
+            self.n = self._k.shape[2]
+            return
+        need = self.n + S
+        if self._k is None or need > self._k.shape[2]:
+            cap = max(need, 2 * (0 if self._k is None else self._k.shape[2]), 64)
+            B, K, _, D = k_BKSD.shape
+            k = k_BKSD.new_empty(B, K, cap, D)
+            v = v_BKSD.new_empty(B, K, cap, D)
+            idx = idx_S.new_empty(cap)
+            if self.n:
+                k[:, :, : self.n], v[:, :, : self.n], idx[: self.n] = self.k_BKTD, self.v_BKTD, self.idx_T
+            self._k, self._v, self._idx = k, v, idx
+        self._k[:, :, self.n:need] = k_BKSD
+        self._v[:, :, self.n:need] = v_BKSD
+        self._idx[self.n:need] = idx_S
+        self.n = need
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_BKTD, self.v_BKTD, self.kmean_BKnD) if t is not None)
+        """Bytes of the keys/values held (not the spare capacity) and the block means."""
+        total = 0
+        if self._k is not None:
+            total += 2 * self.k_BKTD.numel() * self._k.element_size()
+        if self.kmean_BKnD is not None:
+            total += self.kmean_BKnD.numel() * self.kmean_BKnD.element_size()
+        return total
 
 
 class _PrefillContext(AttnContext):
