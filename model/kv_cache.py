@@ -175,6 +175,8 @@ class CachedDecoder:
             raise ValueError("the prompt is empty: it needs at least the bos token")
         if int(block_ids[:, -1].max()) >= 0:
             raise ValueError("the prompt ends inside a visual block; end it with the block's close tag")
+        if B > 1 and not bool((positions[:, :, -1] == positions[:1, :1, -1]).all()):
+            raise ValueError("batched prompts must share one layout (same length and last position); decode them one by one")
         self.reset()
         x_BSD = model.embed(input_ids, patches, patch_kind)
         cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
