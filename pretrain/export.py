@@ -206,14 +206,22 @@ def load_checkpoint_model(path: str | Path, *, tokenizer: str | Path | None = No
 
     ckpt = resolve_checkpoint(path)
     cfg = load_checkpoint_config(ckpt)
-    if cfg.model.attention.backend in ("flex", "flash") and not torch.cuda.is_available():
-        att = dataclasses.replace(cfg.model.attention, backend="blocksparse")
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=att))
+    cfg = dataclasses.replace(cfg, model=portable_model_config(cfg.model))
     model = OmniModel(cfg.model)
     state = read_checkpoint_weights(ckpt)
     _load_strict(model, state, ckpt)
     tok_dir = find_tokenizer_dir(cfg, ckpt, tokenizer)
     return model.eval(), cfg, ckpt, tok_dir
+
+
+def portable_model_config(model_cfg):
+    """The model config with a backend that runs here: flex/flash (CUDA only) become blocksparse
+    on a machine without CUDA. Same mask rule, same weights, same outputs up to rounding."""
+    if model_cfg.attention.backend in ("flex", "flash") and not torch.cuda.is_available():
+        log.info("attention backend %s needs CUDA: using blocksparse here", model_cfg.attention.backend)
+        att = dataclasses.replace(model_cfg.attention, backend="blocksparse")
+        return dataclasses.replace(model_cfg, attention=att)
+    return model_cfg
 
 
 def _load_strict(model, state: dict, where) -> None:
@@ -258,7 +266,8 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
     tok_dir = find_tokenizer_dir(cfg, ckpt, tokenizer)
     log.info("exporting %s", ckpt)
     state = read_checkpoint_weights(ckpt)
-    model = OmniModel(cfg.model)  # validates names and shapes against the config before anything is written
+    # validates names and shapes against the config before anything is written
+    model = OmniModel(portable_model_config(cfg.model))
     _load_strict(model, state, ckpt)
     trainer = _trainer_state(ckpt)
     step = int(trainer.get("step", step_of(ckpt)))
@@ -266,15 +275,18 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
     source = {"checkpoint": str(ckpt.resolve()), "step": step, "tokens_seen": tokens_seen, "seq_len": cfg.data.seq_len}
     card = model_card(cfg, ckpt, step=step, tokens_seen=tokens_seen, num_params=model.num_params(),
                       num_active=model.num_active_params(), dtype=dtype)
-    result = save_export(model, tok_dir, out, dtype=dtype, max_shard_size=max_shard_size, source=source, card=card)
+    result = save_export(model, tok_dir, out, dtype=dtype, max_shard_size=max_shard_size, source=source, card=card,
+                         model_config=cfg.model)  # the training backend is recorded; load_pretrained adapts it
     result.checkpoint = ckpt
     return result
 
 
 def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
-                max_shard_size: str | int = "5GB", source: dict | None = None, card: str | None = None) -> ExportResult:
+                max_shard_size: str | int = "5GB", source: dict | None = None, card: str | None = None,
+                model_config=None) -> ExportResult:
     """Write an in-memory OmniModel and its tokenizer folder as an export folder (what
-    `export_checkpoint` does after reading a checkpoint; also handy after training in a notebook)."""
+    `export_checkpoint` does after reading a checkpoint; also handy after training in a notebook).
+    `model_config` (default: the model's) is what config.json records."""
     from omniloom.model.pretrained import CONFIG_NAME, FORMAT, FORMAT_VERSION
 
     from .cli import version
@@ -289,7 +301,7 @@ def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype:
     if not all((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{tok_dir} lacks {' / '.join(TOKENIZER_FILES)}; pass the folder made by `omniloom tokenizer train`")
     tok_info = json.loads((tok_dir / "tokenizer.json").read_text())
-    mcfg = model.cfg
+    mcfg = model_config or model.cfg
     if tok_info.get("vocab_size") not in (None, mcfg.vocab_size):
         raise ValueError(f"tokenizer {tok_dir} has vocab_size {tok_info.get('vocab_size')} but the model has "
                          f"{mcfg.vocab_size}; pass the run's own tokenizer with --tokenizer")
@@ -407,5 +419,5 @@ def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int,
     return "\n".join(lines)
 
 
-__all__ = ["ExportResult", "export_checkpoint", "save_export", "find_tokenizer_dir", "load_checkpoint_config", "load_checkpoint_model",
+__all__ = ["ExportResult", "export_checkpoint", "portable_model_config", "save_export", "find_tokenizer_dir", "load_checkpoint_config", "load_checkpoint_model",
            "read_checkpoint_weights", "read_dcp_state_dict", "resolve_checkpoint", "SINGLE_NAME", "INDEX_NAME"]

@@ -47,7 +47,8 @@ def tok_dir(tmp_path_factory):
     return d
 
 
-def make_run(root: Path, tok_dir: Path, *, layout: str = "safetensors", seed: int = 0) -> tuple[Path, OmniModel]:
+def make_run(root: Path, tok_dir: Path, *, layout: str = "safetensors", seed: int = 0,
+             recorded_backend: str | None = None) -> tuple[Path, OmniModel]:
     """A run folder shaped like the trainer's: checkpoints/step_N/{accelerate/..., trainer.pt,
     config.yaml, COMPLETE} and metrics.jsonl. The model's weights are random but not default."""
     from safetensors.torch import save_file
@@ -78,6 +79,11 @@ def make_run(root: Path, tok_dir: Path, *, layout: str = "safetensors", seed: in
     elif layout == "bin":
         torch.save({f"module.{k}": v for k, v in sd.items()}, acc / "pytorch_model.bin")
     torch.save({"step": STEP, "tokens_seen": 12345}, ckpt / "trainer.pt")
+    if recorded_backend:  # what a GPU run would have written
+        import dataclasses
+
+        att = dataclasses.replace(cfg.model.attention, backend=recorded_backend)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=att))
     (ckpt / "config.yaml").write_text(to_yaml(cfg))
     files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
     (ckpt / "COMPLETE").write_text(json.dumps({"step": STEP, "files": files, "world_size": 1}))
@@ -247,3 +253,13 @@ def test_real_training_run_exports_evaluates_and_generates(tmp_path):
     assert set(json.loads((tmp_path / "eval.json").read_text())["cross_modal_gap"]) == {"image", "video"}
     image = next((tmp_path / "corpus" / "heldout").rglob("*.png"))
     assert main(["-qq", "generate", str(out), "--image", str(image), "--max-new-tokens", "4", "--out", str(tmp_path / "g.txt")]) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback for a GPU-only backend")
+def test_a_flex_trained_run_exports_and_loads_on_cpu(tmp_path, tok_dir):
+    run, model = make_run(tmp_path / "run", tok_dir, recorded_backend="flex")
+    export_checkpoint(run, tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["model"]["attention"]["backend"] == "flex"
+    loaded = load_pretrained(tmp_path / "export")
+    assert loaded.cfg.attention.backend == "blocksparse"
+    assert torch.equal(logits_of(loaded, loaded.cfg), logits_of(model, model.cfg))
