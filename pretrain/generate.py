@@ -135,8 +135,8 @@ class Generation:
 def generate(model, prompt: Prompt, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, use_cache: bool = True, eos_id: int | None = None, progress: bool = False) -> Generation:
     """Continue `prompt` by up to `max_new_tokens` tokens. use_cache=False recomputes the whole
-    sequence every step with the model's own forward (the reference the cache is tested against)."""
-    from omniloom.model.kv_cache import CachedDecoder
+    sequence every step with the model's own forward (the reference the cache is tested against).
+    The model runs in eval mode and is put back in its previous mode afterwards."""
     from omniloom.tokenizers.layout import EOS_ID
 
     if max_new_tokens < 0:
@@ -148,7 +148,18 @@ def generate(model, prompt: Prompt, *, max_new_tokens: int = 64, temperature: fl
     eos_id = EOS_ID if eos_id is None else eos_id
     dev = next(model.parameters()).device
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    was_training = model.training
     model.eval()
+    try:
+        return _generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                         gen=gen, use_cache=use_cache, eos_id=eos_id, progress=progress, dev=dev)
+    finally:
+        model.train(was_training)
+
+
+def _generate(model, prompt: Prompt, *, max_new_tokens, temperature, top_p, gen, use_cache, eos_id, progress, dev) -> Generation:
+    from omniloom.model.kv_cache import CachedDecoder
+
     t0 = time.perf_counter()
     new: list[int] = []
     dec = None
