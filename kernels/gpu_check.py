@@ -34,12 +34,12 @@ RESULTS: dict = {}
 PLANS = {
     "gpu": dict(device="cuda", parity_tokens=512, bench_tokens=8192, check_tokens=2048, bench_iters=10,
                 bench_ops=None, ce_tokens=16384, ce_vocab=65536, ce_dim=2048, attn_seq=1024,
-                attn_seq_lens=[2048, 8192, 32768], attn_iters=5, dtypes=("float32", "float16", "bfloat16"),
+                attn_seq_lens=[4096, 16384], attn_iters=5, sdpa_max=16384, dtypes=("float32", "float16", "bfloat16"),
                 model_dim=512, seq_len=2048, train_backends=("blocksparse", "flex"), train_steps=5, autocast=True,
                 train_overrides=[]),
     "smoke": dict(device="cpu", parity_tokens=0, bench_tokens=8, check_tokens=4, bench_iters=1,
                   bench_ops=["rms_norm", "swiglu", "apply_rope", "moe"], ce_tokens=64, ce_vocab=300, ce_dim=16,
-                  attn_seq=256, attn_seq_lens=[256], attn_iters=1, dtypes=("float32",), model_dim=64, seq_len=128,
+                  attn_seq=256, attn_seq_lens=[256], attn_iters=1, sdpa_max=256, dtypes=("float32",), model_dim=64, seq_len=128,
                   train_backends=("blocksparse",), train_steps=1, autocast=False,
                   train_overrides=["data.seq_len=64", "data.batch_size=1", "model.dim=32", "model.num_layers=2",
                                    "model.rope_sections=[2,2,4]", "model.moe.expert_dim=16", "model.moe.dense_dim=32"]),
@@ -147,7 +147,7 @@ def section_attention() -> None:
     seq_lens, kinds = PLAN["attn_seq_lens"], "LGB"
     res = bench_attention(device=torch.device(dev), seq_lens=seq_lens, kinds=kinds, backends=backends, num_heads=16,
                           num_kv_heads=4, head_dim=128, window=1024, block_size=128, num_selected=8, warmup=2 if dev == "cuda" else 0,
-                          iters=PLAN["attn_iters"], sdpa_max=32768, dtype=dt)
+                          iters=PLAN["attn_iters"], sdpa_max=PLAN["sdpa_max"], dtype=dt)
     for line in format_attention(res, seq_lens, kinds, backends):
         say(line)
     RESULTS["attention"] = {"agreement": agree, "seconds": {"/".join(map(str, k)): v for k, v in res.items()}}

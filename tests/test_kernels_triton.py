@@ -86,10 +86,10 @@ def _edge_moe_empty_expert_and_stability(fast, ref, torch):
 
 
 def _edge_opcheck(fast, ref, torch):
-    # schema, fake (meta) implementations and autograd registration of every custom op
+    # schema, fake (meta) implementations, autograd registration and AOT dispatch of every custom op
     from omniloom.kernels import custom_ops  # noqa: F401
 
-    tests = ("test_schema", "test_autograd_registration", "test_faketensor")
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     ops = torch.ops.omniloom
     x = torch.randn(5, 12, requires_grad=True)
     torch.library.opcheck(ops.rms_norm_fwd, (x, torch.randn(12, requires_grad=True), 1e-6), test_utils=tests)
@@ -102,6 +102,22 @@ def _edge_opcheck(fast, ref, torch):
     torch.library.opcheck(ops.moe_permute, (torch.randn(6, 3, requires_grad=True), topk, 4), test_utils=tests)
     perm = torch.randperm(12)
     torch.library.opcheck(ops.moe_unpermute, (torch.randn(12, 3, requires_grad=True), perm, torch.rand(6, 2, requires_grad=True)), test_utils=tests)
+
+
+def _edge_compile_fullgraph(fast, ref, torch):
+    # the ops are opaque to torch.compile: one graph, no breaks, same values and gradients
+    def f(x, w, g, u, h, W, labels):
+        ce, z = fast.linear_cross_entropy(h, W, labels, chunk_size=3)
+        return fast.rms_norm(x, w, 1e-6).sum() + fast.swiglu(g, u).sum() + ce.sum() + z.mean()
+
+    args = [torch.randn(4, 16), torch.ones(16), torch.randn(3, 5), torch.randn(3, 5), torch.randn(5, 8),
+            torch.randn(11, 8), torch.tensor([1, 2, -100, 10, 0])]
+    leaves = [a.requires_grad_() for a in args[:6]]
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got, want = compiled(*args), f(*args)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, leaves)):
+        torch.testing.assert_close(a, b)
 
 
 def _edge_model_step(fast, ref, torch):
@@ -146,6 +162,7 @@ _EDGE_CHECKS = {
     "rope_broadcast_batch": _edge_rope_broadcast_batch,
     "moe_empty_expert_and_stability": _edge_moe_empty_expert_and_stability,
     "opcheck": _edge_opcheck,
+    "compile_fullgraph": _edge_compile_fullgraph,
     "model_step": _edge_model_step,
 }
 
@@ -179,6 +196,19 @@ def test_triton_edge_cases(interp_records, name):
     assert rec[0]["ok"], rec[0].get("error")
     if rec[0].get("skipped"):
         pytest.skip(rec[0]["skipped"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_triton_matches_reference_on_cuda(dtype):
+    import torch
+
+    from omniloom.kernels import parity
+    from omniloom.kernels.ops import get_ops
+
+    fast, ref = get_ops("triton"), get_ops("reference")
+    bad = [r.line() for r in (parity.run_case(op, s, getattr(torch, dtype), "cuda", fast, ref) for op, s in TINY_CASES) if not r.ok]
+    assert not bad, "\n".join(bad)
 
 
 if __name__ == "__main__":
