@@ -27,8 +27,9 @@ def _ce_fwd_kernel(
     base = logits_ptr + row * stride_l
     cols = tl.arange(0, BLOCK_V)
     # online logsumexp over vocab tiles: one pass over the row
-    m = tl.max(tl.load(base + cols, mask=cols < V, other=float("-inf")), axis=0)
-    s = tl.sum(tl.exp(tl.load(base + cols, mask=cols < V, other=float("-inf")) - m), axis=0)
+    x = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+    m = tl.max(x, axis=0)
+    s = tl.sum(tl.exp(x - m), axis=0)
     for start in range(BLOCK_V, V, BLOCK_V):
         x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf"))
         new_m = tl.maximum(m, tl.max(x, axis=0))
