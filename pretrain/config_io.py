@@ -173,8 +173,20 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+class _Dumper(yaml.SafeDumper):
+    """Block style for sections, flow style for lists of scalars (`betas: [0.9, 0.95]`)."""
+
+
+def _represent_list(dumper, data):
+    flow = all(not isinstance(v, (list, dict)) for v in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flow)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
 def to_yaml(obj: Any) -> str:
-    return yaml.safe_dump(to_dict(obj), sort_keys=False, default_flow_style=None)
+    return yaml.dump(to_dict(obj), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
