@@ -190,7 +190,7 @@ def section_train_step() -> None:
             with amp():
                 loss = model(**batch).loss
             loss.backward()
-            losses[name] = float(loss)
+            losses[name] = float(loss.detach())
             grads[name] = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
         worst = max(float((grads["triton"][n] - g).abs().max() / g.abs().max().clamp_min(1e-12))
                     for n, g in grads["reference"].items())
