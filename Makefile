@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.omniloom-installed
 
-.PHONY: demo test test-all install clean-venv
+.PHONY: demo test test-all install clean-venv gpu-check bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ test-all: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/omniloom demo
+
+# On a CUDA machine: kernel parity + timings, attention backends, one training step (< 8 min on an H200).
+gpu-check: $(STAMP)
+	$(PY) -m omniloom.kernels.gpu_check --out $${OUT:-gpu_check_out}
+
+bench: $(STAMP)
+	$(VENV)/bin/omniloom bench
 
 clean-venv:
 	rm -rf $(VENV)
