@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -254,6 +255,12 @@ class StreamDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[PackedBatch, dict]]:
         info = torch.utils.data.get_worker_info()
+        if info is not None:
+            # torchrun, Slurm and Ctrl-C signal the whole process group: a worker that died first
+            # would fail the trainer's next batch before it could save. The trainer handles the
+            # signal; its workers end with it.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         physical = info.id if info is not None else 0
         logical = (physical + self.consumed) % self.num_logical
         stream = WorkerStream(self.sets, self.cfg, self.tokenize_fn, slot=self.rank * self.num_logical + logical,

@@ -26,6 +26,7 @@ import torch
 from . import build as B
 from .checkpoint import CheckpointManager, latest_checkpoint, resolve_resume
 from .config import RunConfig, load_config, to_yaml
+from .train_args import add_train_args, config_from_args  # noqa: F401 (re-exported)
 from .config_io import to_dict
 from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector
 from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
@@ -369,25 +370,6 @@ def build_arg_parser(prog: str = "python -m omniloom.pretrain.train") -> argpars
         "for several processes; plain python runs one.")
     add_train_args(p)
     return p
-
-
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="preset name (tiny, small_100m, large_1b) or YAML path")
-    p.add_argument("--resume", default=None,
-                   help="'auto' (newest complete checkpoint in RUN_DIR/checkpoints, else start fresh) or a "
-                   "step_N folder; same as checkpoint.resume=...")
-    p.add_argument("--run-dir", default=None, help="output folder (same as train.run_dir=...)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics still go to JSONL)")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=50 optim.lr=1e-3")
-
-
-def config_from_args(args) -> RunConfig:
-    overrides = list(args.overrides)
-    if args.resume is not None:
-        overrides.append(f"checkpoint.resume={args.resume}")
-    if args.run_dir is not None:
-        overrides.append(f"train.run_dir={args.run_dir}")
-    return load_config(args.config, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

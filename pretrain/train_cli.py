@@ -25,7 +25,7 @@ def register(sub) -> None:
         "data.sources='[{path: shards/train}]' data.tokenizer=tok train.num_steps=200",
     )
     p.add_argument("preset", nargs="?", default=None, help="preset name or YAML path (or use --config)")
-    from .train import add_train_args
+    from .train_args import add_train_args
 
     add_train_args(p)
     p.set_defaults(func=_train)
@@ -35,7 +35,8 @@ def _train(args) -> int:
     import sys
 
     from .guards import NonFiniteError
-    from .train import config_from_args, run
+    from .train import run
+    from .train_args import config_from_args
 
     if args.preset is not None:
         if "=" in args.preset:  # only overrides were given

@@ -52,3 +52,11 @@ def test_no_command_prints_help(capsys):
 @pytest.mark.parametrize("group", ["config"])
 def test_subcommand_help(group):
     assert run(group, "--help").returncode == 0
+
+
+def test_help_does_not_import_torch():
+    # every package's cli.py imports heavy libraries inside its handlers, so --help stays instant
+    code = "import sys; from omniloom.pretrain.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -169,3 +169,9 @@ def test_bench_kernels_cli_rejects_unknown_op(capsys):
 
     assert main(["bench", "kernels", "--ops", "softmax"]) == 2
     assert "unknown --ops" in capsys.readouterr().err
+
+
+def test_cli_op_names_match_the_api():
+    from omniloom.kernels import cli, ops
+
+    assert tuple(cli.OP_NAMES) == tuple(ops.OP_NAMES)

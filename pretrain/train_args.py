@@ -1,0 +1,29 @@
+"""The arguments `omniloom train` and `accelerate launch -m omniloom.pretrain.train` share.
+
+Kept free of torch so that `omniloom --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .config import RunConfig, load_config
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="preset name (tiny, small_100m, large_1b) or YAML path")
+    p.add_argument("--resume", default=None,
+                   help="'auto' (newest complete checkpoint in RUN_DIR/checkpoints, else start fresh) or a "
+                   "step_N folder; same as checkpoint.resume=...")
+    p.add_argument("--run-dir", default=None, help="output folder (same as train.run_dir=...)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (metrics still go to JSONL)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=50 optim.lr=1e-3")
+
+
+def config_from_args(args) -> RunConfig:
+    overrides = list(args.overrides)
+    if args.resume is not None:
+        overrides.append(f"checkpoint.resume={args.resume}")
+    if args.run_dir is not None:
+        overrides.append(f"train.run_dir={args.run_dir}")
+    return load_config(args.config, overrides)
