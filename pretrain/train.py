@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -143,6 +144,8 @@ class Trainer:
         window = _Window()
         stopped_by = "done"
         try:
+            if cfg.train.eval_every > 0 and self.step == 0:
+                logger.log(self.evaluate(), 0)  # the untrained baseline the held-out curves start from
             while self.step < cfg.train.num_steps:
                 t_step = time.perf_counter()
                 stats, counts_LME, lr = self.run_step()
@@ -156,7 +159,8 @@ class Trainer:
                     z = det.update(stats[name])
                     if z is not None:
                         record[f"spike/{name}_z"] = z
-                        log.warning("step %d: %s spike, z-score %.1f (window %d)", self.step, name, z, det.window)
+                        if acc.is_main_process:  # the statistics are all-reduced: every rank sees the same spike
+                            log.warning("step %d: %s spike, z-score %.1f (window %d)", self.step, name, z, det.window)
                 if self.step % cfg.logging.every == 0 or self.step == cfg.train.num_steps:
                     record.update(self._window_metrics(window))
                     window = _Window()
@@ -281,6 +285,7 @@ class Trainer:
         out["time/other_s"] = max(0.0, w.wall - phases) / n
         if w.counts_LME is not None:
             out.update(expert_balance(w.counts_LME))
+            out["moe/counts_LME"] = w.counts_LME.tolist()  # raw loads for the report's heatmap (JSONL only)
         out.update(B.loader_metrics(self.train_loader))
         return out
 
@@ -375,7 +380,10 @@ def build_arg_parser(prog: str = "python -m omniloom.pretrain.train") -> argpars
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `accelerate launch -m omniloom.pretrain.train`."""
     args = build_arg_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    # Rank 0 tells the story; the other ranks speak only to warn, and say who they are.
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=("" if rank == 0 else f"[rank {rank}] ") + "%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     try:
         result = run(config_from_args(args), progress=not args.no_progress)

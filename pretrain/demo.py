@@ -1,0 +1,145 @@
+"""`omniloom demo`: the whole product on embedded defaults, from raw files to an exported model.
+
+Each stage runs the same `omniloom ...` / `accelerate launch ...` command a user would type, in a
+subprocess, and is skipped when its output is already complete, so an interrupted demo picks up
+where it stopped. The stage list below is the demo; the summary at the end says where everything is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Stage:
+    name: str
+    argv: list[str]
+    done_when: Path  # the stage is complete when this file exists
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _omniloom(*args: str) -> list[str]:
+    return [sys.executable, "-m", "omniloom.pretrain.cli", *args]
+
+
+def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) -> list[Stage]:
+    corpus, shards, tok, run, export = out / "corpus", out / "shards", out / "tokenizer", out / "run", out / "export"
+    launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    if processes > 1:
+        launch += ["--config_file", str(_accelerate_config("cpu_2proc")), "--num_processes", str(processes)]
+    else:
+        launch += ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    train = corpus / "train"
+    # Two shard sets mixed by weight: the synthetic captioned shapes and clips are short (~40
+    # tokens) and the real stdlib code and docs long (~3,500), so per-document weights of 250:1
+    # give the captions about three quarters of the tokens, enough to learn to read pixels.
+    train_overrides = [
+        f"data.sources=[{{path: {shards / 'synthetic'}, weight: 250}}, {{path: {shards / 'real'}, weight: 1}}]",
+        f"data.eval_sources=[{{path: {shards / 'heldout'}}}]",
+        f"data.tokenizer={tok}",
+        f"train.run_dir={run}",
+        f"train.num_steps={steps}",
+        *overrides,
+    ]
+    return [
+        Stage("demo corpus", _omniloom("data", "demo-corpus", "--out", str(corpus)), corpus / "README.txt"),
+        Stage("data build (synthetic)", _omniloom("data", "build", str(train / "shapes.jsonl"), str(train / "motion.jsonl"),
+                                                  str(train / "interleaved.jsonl"), "--out", str(shards / "synthetic"),
+                                                  "--name", "synthetic", "--workers", "2"),
+              shards / "synthetic" / "manifest.json"),
+        Stage("data build (real files)", _omniloom("data", "build", str(train / "stdlib"), str(train / "docs"), str(train / "photos"),
+                                                   "--out", str(shards / "real"), "--name", "real"),
+              shards / "real" / "manifest.json"),
+        Stage("data build (held-out)", _omniloom("data", "build", str(corpus / "heldout"), "--out", str(shards / "heldout"),
+                                                 "--name", "heldout"),
+              shards / "heldout" / "manifest.json"),
+        Stage("tokenizer train", _omniloom("tokenizer", "train", "--data", str(shards / "synthetic"), str(shards / "real"),
+                                           "--vocab-size", "2048", "--image-patch-budget", "16", "--video-frame-budget", "4",
+                                           "--video-patch-budget", "16", "--out", str(tok)),
+              tok / "tokenizer.json"),
+        Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo", "--no-progress",
+                                            *train_overrides],
+              run / "checkpoints" / f"step_{steps:08d}"),
+        Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
+                                "--no-progress"), out / "eval.json"),
+        Stage("export", _omniloom("export", str(run), "--out", str(export)), export / "config.json"),
+        Stage("generate from an image", _omniloom("generate", str(export), "--image", str(_first_heldout_image(corpus)),
+                                                  "--prompt", "", "--max-new-tokens", "16", "--out", str(out / "generate.txt")),
+              out / "generate.txt"),
+        Stage("report", _omniloom("report", str(run), "--eval", str(out / "eval.json")), run / "report" / "index.html"),
+    ]
+
+
+def _accelerate_config(name: str) -> Path:
+    from .config import presets_dir
+
+    return presets_dir() / "accelerate" / f"{name}.yaml"
+
+
+def _first_heldout_image(corpus: Path) -> Path:
+    return corpus / "heldout" / "shapes" / "000000.png"
+
+
+def run_demo(out: Path, *, steps: int, processes: int, overrides: list[str], fresh: bool) -> int:
+    if fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, processes))))
+    timings = {}
+    for stage in demo_stages(out, steps=steps, processes=processes, overrides=overrides):
+        if stage.done_when.exists():
+            print(f"[demo] {stage.name}: already done ({stage.done_when})", flush=True)
+            continue
+        print(f"[demo] {stage.name}: {' '.join(shlex.quote(a) for a in stage.argv)}", flush=True)
+        start = time.time()
+        proc = subprocess.run(stage.argv, env={**env, **stage.env})
+        timings[stage.name] = round(time.time() - start, 1)
+        if proc.returncode != 0:
+            print(f"[demo] {stage.name} failed with exit code {proc.returncode}; fix the error above and run "
+                  f"`omniloom demo --out {out}` again: finished stages are kept.", file=sys.stderr)
+            return proc.returncode
+    _summary(out, timings)
+    return 0
+
+
+def _summary(out: Path, timings: dict) -> None:
+    print("\n=== omniloom demo: done ===")
+    for label, rel in (("corpus", "corpus"), ("shards", "shards"), ("tokenizer", "tokenizer"), ("run", "run"),
+                       ("export", "export"), ("report", "run/report/index.html")):
+        print(f"  {label:10s} {out / rel}")
+    eval_path = out / "eval.json"
+    if eval_path.exists():
+        ev = json.loads(eval_path.read_text())
+        for key in ("loss", "cross_modal_gap"):
+            if key in ev:
+                print(f"  {key}: {json.dumps(ev[key], sort_keys=True)}")
+    gen = out / "generate.txt"
+    if gen.exists():
+        print(f"  generated from an image: {gen.read_text().strip()[:200]!r}")
+    if timings:
+        print("  stage seconds: " + ", ".join(f"{k}={v}" for k, v in timings.items()))
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run the whole pipeline on an embedded demo corpus (CPU, ~15 minutes)",
+        description="Demo corpus -> data build -> tokenizer train -> accelerate launch training of a tiny "
+        "sparse-attention MoE -> eval -> export -> generate from an image -> HTML report. Finished stages "
+        "are skipped on a re-run (use --fresh to start over).",
+    )
+    p.add_argument("--out", default="demo_out", help="folder for every artifact (default: ./demo_out)")
+    p.add_argument("--steps", type=int, default=500, help="training steps (default 500)")
+    p.add_argument("--processes", type=int, default=2, help="data-parallel processes for accelerate launch (default 2)")
+    p.add_argument("--fresh", action="store_true", help="delete --out first")
+    p.add_argument("overrides", nargs="*", help="extra dotted config overrides for training, e.g. model.num_layers=2")
+    p.set_defaults(func=lambda a: run_demo(Path(a.out), steps=a.steps, processes=a.processes, overrides=a.overrides, fresh=a.fresh))

@@ -1,0 +1,49 @@
+"""`omniloom demo`: every stage is a valid command line; the full run (slow) learns the captions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omniloom.pretrain.cli import build_parser
+from omniloom.pretrain.demo import demo_stages
+
+
+def test_every_stage_parses_with_the_real_cli(tmp_path):
+    parser = build_parser()
+    stages = demo_stages(tmp_path, steps=7, processes=2, overrides=["model.num_layers=2"])
+    assert [s.name for s in stages][0] == "demo corpus" and stages[-1].name == "report"
+    for stage in stages:
+        argv = stage.argv
+        if "omniloom.pretrain.cli" in argv:
+            args = parser.parse_args(argv[argv.index("omniloom.pretrain.cli") + 1:])
+            assert callable(args.func), stage.name
+        else:  # the accelerate launch of the trainer
+            assert "accelerate.commands.launch" in argv and "omniloom.pretrain.train" in argv
+            from omniloom.pretrain.train import build_arg_parser
+            from omniloom.pretrain.train_args import config_from_args
+
+            targs = build_arg_parser().parse_args(argv[argv.index("omniloom.pretrain.train") + 1:])
+            cfg = config_from_args(targs)
+            assert cfg.train.num_steps == 7 and cfg.model.num_layers == 2
+            assert [s.weight for s in cfg.data.sources] == [250.0, 1.0]
+            assert stage.done_when.name == "step_00000007"
+
+
+@pytest.mark.slow
+def test_full_demo_learns_to_read_pixels(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "omniloom.pretrain.cli", "demo", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "omniloom demo: done" in proc.stdout
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["cross_modal_gap"]["image"] >= 1.0 and ev["cross_modal_gap"]["video"] > 0
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/loss/text" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["eval/loss/text"] < evals[0]["eval/loss/text"]
+    assert Path(out / "run" / "report" / "index.html").is_file() and (out / "export" / "config.json").is_file()
