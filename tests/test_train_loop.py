@@ -193,8 +193,8 @@ def test_loss_falls_and_metrics_are_logged(tmp_path):
     assert "mfu" not in full[-1]  # no peak on CPU
     assert full[-1]["tokens_seen"] == 20 * 2 * 4 * 16
     evals = [r for r in rows if "eval/loss/text" in r]
-    assert [r["step"] for r in evals] == [10, 20]
-    assert evals[1]["eval/loss"] < evals[0]["eval/loss"]
+    assert [r["step"] for r in evals] == [0, 10, 20]  # step 0: the untrained baseline
+    assert evals[2]["eval/loss"] < evals[1]["eval/loss"] < evals[0]["eval/loss"]
     assert trainer.acc.unwrap_model(trainer.model).bias_updates == 20
     assert ckpt_mod.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000020"
 
