@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import logging
 import sys
 
@@ -73,8 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="run benchmarks and print figures",
-        description="Benchmarks print figures as ratios against a reference measured in the same run.",
+        description="Benchmarks print figures as ratios against a reference measured in the same run. "
+        "`omniloom bench` alone runs every benchmark with its defaults (several minutes) and ends with "
+        "one summary table; `--out FILE.md` also writes every benchmark's output and the table there.",
     )
+    bench.add_argument("--out", default=None, help="with no NAME: write all outputs and the summary table to this Markdown file")
     bench_sub = bench.add_subparsers(dest="bench", metavar="NAME")
     bench.set_defaults(func=lambda args: _bench_all(args, bench_sub))
     for module in _cli_modules():
@@ -87,18 +91,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Tee(io.TextIOBase):
+    """Write to the terminal and keep a copy (for `omniloom bench --out`)."""
+
+    def __init__(self, stream):
+        self.stream, self.copy = stream, io.StringIO()
+
+    def write(self, text):
+        self.stream.write(text)
+        self.copy.write(text)
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
 def _bench_all(args, bench_sub) -> int:
-    """`omniloom bench` with no name: run every registered benchmark with its defaults."""
+    """`omniloom bench` with no name: run every registered benchmark with its defaults, then print
+    one summary table (and write everything to --out)."""
+    import contextlib
+    import time
+
     names = list(bench_sub.choices)
     if not names:
         print("no benchmarks are registered")
         return 1
-    status = 0
+    rows, sections, status = [], [], 0
     for name in names:
         print(f"\n== omniloom bench {name} ==", flush=True)
         sub_args = bench_sub.choices[name].parse_args([])
         sub_args.verbose, sub_args.quiet = args.verbose, args.quiet
-        status = max(status, int(sub_args.func(sub_args) or 0))
+        tee = _Tee(sys.stdout)
+        start = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(tee):
+                code = int(sub_args.func(sub_args) or 0)
+        except Exception as err:  # one broken benchmark must not hide the others' figures
+            log.error("bench %s failed: %s", name, err)
+            code = 1
+        rows.append((name, code, time.perf_counter() - start))
+        sections.append((name, tee.copy.getvalue()))
+        status = max(status, code)
+    table = ["| benchmark | status | seconds |", "|---|---|---|"]
+    table += [f"| `omniloom bench {n}` | {'ok' if c == 0 else f'exit {c}'} | {sec:.1f} |" for n, c, sec in rows]
+    print("\n" + "\n".join(table))
+    if args.out:
+        from pathlib import Path
+
+        body = [f"# omniloom bench ({version()})", ""]
+        for name, text in sections:
+            body += [f"## omniloom bench {name}", "", "```", text.rstrip(), "```", ""]
+        body += ["## Summary", "", *table, ""]
+        Path(args.out).write_text("\n".join(body), encoding="utf-8")
+        print(f"written: {args.out}")
     return status
 
 

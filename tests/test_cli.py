@@ -60,3 +60,21 @@ def test_help_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_bench_all_runs_each_and_writes_one_table(tmp_path, capsys):
+    import argparse
+
+    from omniloom.pretrain.cli import _bench_all
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    ok = sub.add_parser("fast")
+    ok.set_defaults(func=lambda a: print("fast: 3.0x faster than reference"))
+    bad = sub.add_parser("broken")
+    bad.set_defaults(func=lambda a: 1 / 0)
+    out = tmp_path / "bench.md"
+    args = argparse.Namespace(out=str(out), verbose=0, quiet=0)
+    assert _bench_all(args, sub) == 1  # a failure is reported, and the other figures are kept
+    text = out.read_text()
+    assert "3.0x faster" in text and "| `omniloom bench fast` | ok |" in text and "| `omniloom bench broken` | exit 1 |" in text
