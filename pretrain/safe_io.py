@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+from omniloom.model.pretrained import INDEX_NAME, SINGLE_NAME  # one definition of the export layout
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6, "MIB": 2**20,
           "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
@@ -74,24 +73,11 @@ def save_sharded(
 
 
 def load_sharded(model_dir: str | Path, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Read the weights `save_sharded` wrote (single file or index + shards)."""
-    from safetensors.torch import load_file
+    """Read the weights `save_sharded` wrote (single file or index + shards). The reader lives in
+    `omniloom.model.pretrained` (the model package loads exports without importing pretrain/)."""
+    from omniloom.model.pretrained import read_safetensors
 
-    model_dir = Path(model_dir)
-    index = model_dir / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        state: dict[str, torch.Tensor] = {}
-        for fname in sorted(set(weight_map.values())):
-            state.update(load_file(str(model_dir / fname), device=device))
-        missing = set(weight_map) - set(state)
-        if missing:
-            raise ValueError(f"{model_dir}: index lists tensors no shard holds: {sorted(missing)[:5]}")
-        return state
-    single = model_dir / SINGLE_NAME
-    if not single.is_file():
-        raise FileNotFoundError(f"no {SINGLE_NAME} or {INDEX_NAME} in {model_dir}; is it an `omniloom export` folder?")
-    return load_file(str(single), device=device)
+    return read_safetensors(model_dir, device=device)
 
 
 def safe_torch_load(path: str | Path, map_location: str = "cpu"):
