@@ -25,6 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NUM_MODALITIES = 5
+IGNORE_INDEX = -100  # labels with no loss (DESIGN 2.3)
 BATCH_FIELDS = ("input_ids", "labels", "positions", "doc_ids", "block_ids", "modality", "patches", "patch_kind")
 
 
@@ -145,6 +146,24 @@ def read_output(out) -> tuple[torch.Tensor, StepStats]:
         expert_counts_LME=None if counts is None else counts.detach().float(),
     )
     return loss, stats
+
+
+def split_loss(out, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token part, per-batch part) of `loss`, both with gradient. The per-batch part is the
+    MoE auxiliary and router z-losses (means over every routed token, present or not); the rest
+    (CE and z-loss, means over the tokens with a label) is what the trainer re-weights so that a
+    step's loss is the mean over every labelled token of the global batch, not a mean of means."""
+    other = loss.new_zeros(())
+    for name in ("aux_loss", "router_z_loss"):
+        v = _first(out, (name,))
+        if v is not None:
+            other = other + v.reshape(())
+    return loss - other, other
+
+
+def num_targets(batch) -> int:
+    """Tokens of a PackedBatch that carry a loss (label != -100)."""
+    return int((batch.labels != IGNORE_INDEX).sum())
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:

@@ -36,8 +36,9 @@ from .parallel import apply_parallelism, seed_everything, set_deterministic
 
 log = logging.getLogger("omniloom.train")
 
-# One all-reduced vector per step: the MEAN_KEYS (averaged over ranks), the SUM_KEYS, then the
-# per-modality CE sums and label counts (summed).
+# One all-reduced vector per step: the MEAN_KEYS (weighted per micro-batch so that their sum over
+# micro-batches and ranks is the step's mean), the SUM_KEYS, then the per-modality CE sums and
+# label counts (summed).
 MEAN_KEYS = ("loss", "ce_loss", "z_loss", "aux_loss", "router_z_loss", "out_norm")
 SUM_KEYS = ("stop", "tokens")
 _NSCALAR = len(MEAN_KEYS) + len(SUM_KEYS)
@@ -201,23 +202,38 @@ class Trainer:
 
     def _train_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward/backward over `grad_accum_steps` micro-batches and clip; return the all-reduced
-        step vector and the expert counts summed over micro-batches and ranks."""
+        step vector and the expert counts summed over micro-batches and ranks.
+
+        The loss is the mean over every labelled token of the global batch (all micro-batches, all
+        ranks), not a mean of per-micro-batch means: micro-batch i's per-token loss (a mean over
+        its n_i labels) is weighted by n_i / N with N all-reduced before any backward, times the
+        world size because data parallelism averages gradients over ranks. Rows heavy in patches
+        (few labels) thus weigh what their labels weigh. The per-batch MoE losses get 1 / accum."""
         cfg, acc = self.cfg, self.acc
-        accum = cfg.train.grad_accum_steps
+        accum, world = cfg.train.grad_accum_steps, acc.num_processes
         self.model.train()
+        with self.timer.phase("data"):
+            batches = [self._next_batch() for _ in range(accum)]
+            n_local = [B.num_targets(b) for b in batches]
+            n_global = float(acc.reduce(torch.tensor(float(sum(n_local)), device=self.device), reduction="sum"))
         acc_vec = torch.zeros(_NSCALAR + 2 * B.NUM_MODALITIES, device=self.device)
         counts_LME = None
-        for micro in range(accum):
-            with self.timer.phase("data"):
-                batch = self._next_batch()
+        for micro, batch in enumerate(batches):
+            w_tok = n_local[micro] / n_global if n_global > 0 else 0.0  # this micro-batch's share of the labels
             # Only the last micro-batch all-reduces gradients.
             sync = contextlib.nullcontext() if micro == accum - 1 else acc.no_sync(self.model)
             with sync:
                 with self.timer.phase("forward"):
-                    loss, st = B.read_output(B.forward(self.model, batch))
+                    out = B.forward(self.model, batch)
+                    loss, st = B.read_output(out)
+                    tok_loss, batch_loss = B.split_loss(out, loss)
                 with self.timer.phase("backward"):
-                    acc.backward(loss / accum)
-            means = torch.stack([getattr(st, k) for k in MEAN_KEYS]).to(self.device) / accum
+                    acc.backward(tok_loss * (w_tok * world) + batch_loss / accum)
+            # summed over micro-batches and ranks below: token terms by label share, the rest averaged
+            tok = torch.stack([tok_loss.detach().float(), st.ce_loss, st.z_loss]).to(self.device) * w_tok
+            per_batch = torch.stack([batch_loss.detach().float(), st.aux_loss, st.router_z_loss,
+                                     st.out_norm]).to(self.device) / (accum * world)
+            means = torch.stack([tok[0] + per_batch[0], tok[1], tok[2], per_batch[1], per_batch[2], per_batch[3]])
             sums = torch.tensor([0.0, float(batch.input_ids.numel())], device=self.device)
             acc_vec += torch.cat([means, sums, st.ce_sum_M.to(self.device), st.count_M.to(self.device)])
             if st.expert_counts_LME is not None:
@@ -227,7 +243,6 @@ class Trainer:
             grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
             acc_vec[_STOP] = 1.0 if self.shutdown.requested else 0.0
             reduced = acc.reduce(acc_vec, reduction="sum")
-            reduced[:len(MEAN_KEYS)] /= acc.num_processes
             if counts_LME is not None:
                 counts_LME = acc.reduce(counts_LME.to(self.device), reduction="sum")
         self._grad_norm = float(grad_norm) if grad_norm is not None else float("nan")

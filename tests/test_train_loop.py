@@ -199,6 +199,33 @@ def test_loss_falls_and_metrics_are_logged(tmp_path):
     assert ckpt_mod.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000020"
 
 
+def test_grad_accum_loss_is_the_mean_over_all_labels_not_a_mean_of_means(tmp_path):
+    # Two micro-batches with very different label counts (a patch-heavy row has few labels): the
+    # step's gradient and logged loss must be those of one batch holding both, mean over its labels.
+    import copy
+
+    trainer = _trainer(tmp_path, "train.num_steps=1", "checkpoint.every=0", "train.grad_accum_steps=2",
+                       "optim.grad_clip=0")
+    a = standin.make_batch(1, 0, 0, 4, 16)
+    b = standin.make_batch(1, 0, 1, 4, 16)
+    b.labels[:, 2:] = -100  # 8 labels against 64
+    trainer.train_iter = iter([a, b])
+    ref = copy.deepcopy(trainer.acc.unwrap_model(trainer.model))
+    cat = standin.Batch(**{f: torch.cat([getattr(a, f), getattr(b, f)]) for f in
+                           ("input_ids", "labels", "positions", "doc_ids", "block_ids", "modality")},
+                        patches=a.patches, patch_kind=a.patch_kind)
+    out = ref(**{f: getattr(cat, f) for f in ("input_ids", "labels", "positions", "doc_ids", "block_ids",
+                                              "modality", "patches", "patch_kind")})
+    out.loss.backward()
+    vec, _ = trainer._train_step()
+    stats = trainer._unpack(vec)
+    assert stats["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+    assert stats["ce_loss"] == pytest.approx(out.ce_loss.item(), rel=1e-5)
+    got = dict(trainer.acc.unwrap_model(trainer.model).named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     # Forward calls 3 and 4 return NaN: both updates are skipped, training continues.
     trainer = _trainer(tmp_path, "train.num_steps=6", "checkpoint.every=2", "train.max_bad_steps=3",
