@@ -7,10 +7,10 @@ STAMP  := $(VENV)/.omniloom-installed
 
 .PHONY: demo test test-all install clean-venv gpu-check bench
 
+# torch first, pinned to the builds the reference machines carry on disk; the range in
+# pyproject.toml admits them, so the editable install after it adds nothing heavier.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned to the builds the reference machines carry on disk; the range in
-	# pyproject.toml admits them, so the editable install below adds nothing heavier.
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.14.1" "torchvision==0.29.1"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 	touch $(STAMP)
