@@ -340,8 +340,10 @@ class Trainer:
                 if i >= self.cfg.train.eval_steps:
                     break
                 _, st = B.read_output(B.forward(self.model, batch.to(self.device)))
+                # eval/loss weighs each batch by its labels (a token mean, as in training), not 1 per batch
+                n = st.count_M.sum().to(self.device)
                 vec += torch.cat([st.ce_sum_M.to(self.device), st.count_M.to(self.device),
-                                  torch.stack([st.loss.to(self.device), torch.ones((), device=self.device)])])
+                                  torch.stack([st.loss.to(self.device) * n, n])])
             self.model.train()
         vec = self.acc.reduce(vec, reduction="sum").double().cpu()
         out = per_modality_losses(vec[:m], vec[m:2 * m], "eval/loss")

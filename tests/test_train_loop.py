@@ -226,6 +226,20 @@ def test_grad_accum_loss_is_the_mean_over_all_labels_not_a_mean_of_means(tmp_pat
         torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_eval_loss_is_a_token_mean_over_batches(tmp_path):
+    trainer = _trainer(tmp_path, "train.num_steps=1", "checkpoint.every=0", "train.eval_steps=2")
+    a = standin.make_batch(2, 0, 0, 4, 16)
+    b = standin.make_batch(2, 0, 1, 4, 16)
+    b.labels[:, 1:] = -100  # 4 labels against 64
+    trainer._build_loader = lambda cfg, split, rank, world: [a, b]
+    cat = {f: torch.cat([getattr(a, f), getattr(b, f)]) for f in
+           ("input_ids", "labels", "positions", "doc_ids", "block_ids", "modality")}
+    model = trainer.acc.unwrap_model(trainer.model)
+    with torch.no_grad():
+        want = model(**cat, patches=a.patches, patch_kind=a.patch_kind).loss.item()
+    assert trainer.evaluate()["eval/loss"] == pytest.approx(want, rel=1e-5)
+
+
 def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     # Forward calls 3 and 4 return NaN: both updates are skipped, training continues.
     trainer = _trainer(tmp_path, "train.num_steps=6", "checkpoint.every=2", "train.max_bad_steps=3",
