@@ -77,16 +77,17 @@ class DataConfig:
 def check_visual_budget(seq_len: int, *, max_image_patches: int = 0, max_video_patches: int = 0) -> list[str]:
     """Warn when the tokenizer's largest image or video block cannot fit one row.
 
-    A visual block is `<|image|> <|patch|>*N <|/image|>` plus the document's bos/eos, so it needs
-    N + 4 tokens in a row; blocks that do not fit are skipped (and counted) by the stream. Returns
-    the warning messages (also emitted with `warnings.warn`).
+    A visual block is `<|image|> <|patch|>*N <|/image|>`, so it needs N + 2 tokens in a row (a
+    longer document is split around the block, see data/packing.split_document); blocks that do
+    not fit are skipped (and counted) by the stream. Returns the warning messages (also emitted
+    with `warnings.warn`).
     """
     messages = []
     for kind, budget in (("image", max_image_patches), ("video", max_video_patches)):
-        if budget and budget + 4 > seq_len:
+        if budget and budget + 2 > seq_len:
             messages.append(
                 f"data.seq_len={seq_len} cannot hold the largest {kind} block ({budget} patches + tags): "
-                f"such {kind}s will be skipped; raise seq_len to >= {budget + 4} or lower the tokenizer's "
+                f"such {kind}s will be skipped; raise seq_len to >= {budget + 2} or lower the tokenizer's "
                 f"{kind} patch budget"
             )
     for msg in messages:

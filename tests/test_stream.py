@@ -196,6 +196,24 @@ def test_visual_budget_warning():
     assert check_visual_budget(4096, max_image_patches=256, max_video_patches=1024) == []
 
 
+def test_visual_budget_warning_agrees_with_the_packer():
+    """The warning fires exactly when split_document would refuse the largest block."""
+    from omniloom.data.packing import PackingError, split_document
+
+    doc = TOK({"segments": [{"type": "text", "text": "ab"}, {"type": "image", "ref": "i"},
+                            {"type": "text", "text": "cd"}]}, {"i": b"SYNIMG" + bytes((1, 4, 5)) + b"x" * 20})
+    for seq_len in range(18, 26):
+        try:
+            split_document(doc, seq_len)
+            fits = True
+        except PackingError:
+            fits = False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warned = bool(check_visual_budget(seq_len, max_image_patches=20))
+        assert warned == (not fits), f"seq_len={seq_len}: warned={warned} but fits={fits}"
+
+
 def _always_fails(doc, media):
     raise ValueError("no")
 
