@@ -161,13 +161,15 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             _fsync_dir(self.dir)
-            self._prune()
+            self._prune(step)
             log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
         self.acc.wait_for_everyone()
         return final
 
-    def _prune(self) -> None:
-        found = list_checkpoints(self.dir)
+    def _prune(self, saved_step: int) -> None:
+        # Only checkpoints up to the one just saved count: a fresh run in a folder that holds a
+        # longer earlier run's checkpoints must not delete its own newest save for being "oldest".
+        found = [p for p in list_checkpoints(self.dir) if step_of(p) <= saved_step]
         for old in found[: max(0, len(found) - self.keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -124,7 +124,8 @@ class Trainer:
             log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", self.ckpt.dir)
         elif not cfg.checkpoint.resume and latest_checkpoint(self.ckpt.dir) is not None:
             log.warning("%s already holds checkpoints (newest %s) and this run starts fresh: it will overwrite "
-                        "them step by step and append to metrics.jsonl; pass --resume auto to continue instead, "
+                        "them step by step and append to metrics.jsonl (older checkpoints with a higher step stay, and a "
+                        "later --resume auto would pick them); pass --resume auto to continue instead, "
                         "or choose another train.run_dir", self.ckpt.dir, latest_checkpoint(self.ckpt.dir).name)
         if resume is not None:
             data_state = self._restore(resume)

@@ -122,6 +122,14 @@ def test_save_interrupted_before_rename_leaves_nothing_visible(tmp_path, monkeyp
     assert [p.name for p in ckpt_mod.list_checkpoints(ckpts)] == ["step_00000005", "step_00000006"]  # keep_last=2
 
 
+def test_fresh_run_over_a_longer_old_run_keeps_its_own_checkpoints(tmp_path):
+    old = _fake_complete(tmp_path / "checkpoints", 100)  # an earlier, longer run in the same folder
+    trainer = _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=1", "checkpoint.keep_last=1")
+    trainer.fit()
+    names = [p.name for p in ckpt_mod.list_checkpoints(tmp_path / "checkpoints")]
+    assert names == ["step_00000002", old.name]  # the new run's newest survives pruning
+
+
 # ---- guards and metrics -------------------------------------------------------------------------
 def test_nonfinite_guard_counts_and_stops_naming_step_and_checkpoint():
     g = NonFiniteGuard(3)
