@@ -72,9 +72,11 @@ def fsync_dir(directory: str) -> None:
 
 
 def split_member(name: str) -> tuple[str, str]:
-    """`KEY.img0.jpg` -> ("KEY", "img0.jpg"): WebDataset's rule, the key ends at the first dot."""
-    key, dot, suffix = name.partition(".")
-    return key, suffix if dot else ""
+    """`KEY.img0.jpg` -> ("KEY", "img0.jpg"): WebDataset's rule, the key ends at the first dot of
+    the file name; a folder part stays in the key (`./d/KEY.doc.json` -> ("./d/KEY", "doc.json"))."""
+    directory, base = os.path.split(name)
+    key, _, suffix = base.partition(".")
+    return (os.path.join(directory, key) if directory else key), suffix
 
 
 def iter_sample_at(tar_path: str | os.PathLike, offset: int) -> tuple[str, dict[str, bytes]]:

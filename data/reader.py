@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .config import SourceConfig
+from .manifest import split_member
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def index_shard(url: str) -> ShardInfo:
     offsets, keys = [], []
     with _open_stream(url, 0) as f, tarfile.open(fileobj=f, mode="r|") as tf:
         for member in tf:
-            key = split_member_name(member.name)[0]
+            key = split_member(member.name)[0]
             if not keys or keys[-1] != key:
                 keys.append(key)
                 offsets.append(member.offset)
@@ -191,13 +192,6 @@ def resolve_source(source: SourceConfig) -> ShardSet:
     if result.num_samples == 0:
         raise ValueError(f"source '{source.label}' ({where}) has zero samples; remove it or rebuild it")
     return result
-
-
-def split_member_name(name: str) -> tuple[str, str]:
-    """WebDataset convention: the key is everything before the first dot of the file name."""
-    directory, base = os.path.split(name)
-    key, _, suffix = base.partition(".")
-    return (os.path.join(directory, key) if directory else key), suffix
 
 
 def _open_stream(url: str, offset: int):
@@ -275,7 +269,7 @@ class SampleReader:
         try:
             with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
                 for member in tf:
-                    mkey, suffix = split_member_name(member.name)
+                    mkey, suffix = split_member(member.name)
                     if mkey != key:
                         break  # end-of-archive padding or the next sample: ours is complete
                     if member.isfile():

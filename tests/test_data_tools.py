@@ -102,6 +102,29 @@ def test_iter_sample_at_reads_exactly_one_sample(full):
             assert {s["ref"] for s in doc["segments"] if "ref" in s} == set(members) - {"doc.json"}
 
 
+def test_members_in_a_folder_group_by_key_in_every_reader(tmp_path):
+    """`tar -C dir -cf x.tar .` names members `./KEY.doc.json`: the shard tools and the stream
+    reader must both split them as WebDataset does (key `./KEY`), not at the first dot."""
+    import io
+    import tarfile
+
+    from omniloom.data.manifest import iter_shard_samples
+    from omniloom.data.reader import index_shard
+
+    path = tmp_path / "x.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for key in ("a", "b"):
+            for suffix, data in (("doc.json", b'{"segments": []}'), ("img0.jpg", b"jpg")):
+                info = tarfile.TarInfo(f"./{key}.{suffix}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    got = [(k, sorted(m)) for _, k, m in iter_shard_samples(path)]
+    assert got == [("./a", ["doc.json", "img0.jpg"]), ("./b", ["doc.json", "img0.jpg"])]
+    assert index_shard(str(path)).keys == ["./a", "./b"]
+    offset = [o for o, _, _ in iter_shard_samples(path)][1]
+    assert iter_sample_at(path, offset) == ("./b", {"doc.json": b'{"segments": []}', "img0.jpg": b"jpg"})
+
+
 def test_cli_user_errors_exit_2(tmp_path, capsys):
     assert main(["data", "build", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
