@@ -86,10 +86,6 @@ class DeterministicTarWriter:
         self.f.close()
         return self.size, self.sha.hexdigest()
 
-    def abort(self) -> None:
-        self.f.close()
-        os.unlink(self.path)
-
 
 def final_size(content: int) -> int:
     """Size of a tar whose samples take `content` bytes, after end blocks and record padding."""

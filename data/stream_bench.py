@@ -16,7 +16,6 @@ import json
 import os
 import tarfile
 import time
-import time
 
 import numpy as np
 
