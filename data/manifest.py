@@ -2,7 +2,7 @@
 stream reader and the tokenizer trainer.
 
 Public helpers:
-- `read_manifest(dir) -> dict`: load and check `DIR/manifest.json`.
+- `read_manifest(dir) -> dict`: load and check `DIR/manifest.json` (`parse_manifest` for text).
 - `iter_sample_at(tar_path, offset) -> (key, {member_suffix: bytes})`: read the one sample whose
   first member's 512-byte tar header starts at `offset`.
 - `iter_shard_samples(tar_path) -> iterator of (offset, key, {suffix: bytes})`: read a shard
@@ -33,14 +33,20 @@ def read_manifest(directory: str | os.PathLike) -> dict:
             "(run `omniloom data build ... --out DIR` to make one, or rerun it to finish)"
         )
     with open(path, encoding="utf-8") as f:
-        try:
-            man = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not valid JSON ({err}); rebuild the shards") from None
+        return parse_manifest(f.read(), path)
+
+
+def parse_manifest(text: str, where: str) -> dict:
+    """A manifest's JSON text (read from `where`, a path or URL) as a dict, after checking its
+    format and version; ValueError otherwise. Shared by the shard tools and the stream reader."""
+    try:
+        man = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where} is not valid JSON ({err}); rebuild the shards with `omniloom data build`") from None
     if not isinstance(man, dict) or man.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an omniloom shard manifest (format {man.get('format') if isinstance(man, dict) else None!r})")
+        raise ValueError(f"{where} is not an omniloom shard manifest (format {man.get('format') if isinstance(man, dict) else None!r})")
     if man.get("version") != VERSION:
-        raise ValueError(f"{path} has manifest version {man.get('version')}; this omniloom reads version {VERSION}")
+        raise ValueError(f"{where} has manifest version {man.get('version')}; this omniloom reads version {VERSION}")
     return man
 
 

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .config import SourceConfig
-from .manifest import split_member
+from .manifest import parse_manifest, split_member
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +99,6 @@ def _expand(pattern: str) -> list[str]:
     return list(braceexpand.braceexpand(pattern))
 
 
-def _parse_manifest(text: str, where: str) -> dict:
-    try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{where} is not valid JSON ({err}); rebuild it with `omniloom data build`") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != "omniloom-shards":
-        raise ValueError(f"{where} is not an omniloom shard manifest (format != 'omniloom-shards')")
-    if manifest.get("version") != 1:
-        raise ValueError(f"{where}: manifest version {manifest.get('version')} is not supported (expected 1)")
-    return manifest
-
-
 def _shards_from_manifest(manifest: dict, base: str, urls: list[str] | None, where: str) -> list[ShardInfo]:
     entries = manifest.get("shards") or []
     by_name = {e["name"]: e for e in entries}
@@ -177,7 +165,7 @@ def resolve_source(source: SourceConfig) -> ShardSet:
     if manifest_url:
         if is_local(manifest_url) and not os.path.exists(_local_path(manifest_url)):
             raise FileNotFoundError(f"manifest '{manifest_url}' not found (source '{source.label}')")
-        manifest = _parse_manifest(_read_text(manifest_url), manifest_url)
+        manifest = parse_manifest(_read_text(manifest_url), manifest_url)
         shards = _shards_from_manifest(manifest, _dirname(manifest_url), urls, manifest_url)
     else:
         assert urls is not None

@@ -170,6 +170,13 @@ def test_errors_at_start(corpus, tmp_path):
         build_loader(_cfg([(empty, 1.0)]), TOK, patch_dim=24)
     with pytest.raises(FileNotFoundError, match="manifest"):
         build_loader(_cfg([(str(tmp_path), 1.0)]), TOK, patch_dim=24)
+    man_path = os.path.join(missing, "manifest.json")
+    for text, match in (("{not json", "not valid JSON"), ('{"format": "other"}', "not an omniloom shard manifest"),
+                        ('{"format": "omniloom-shards", "version": 9}', "version 9")):
+        with open(man_path, "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=match):
+            build_loader(_cfg([(missing, 1.0)]), TOK, patch_dim=24)
     with pytest.raises(ValueError, match="weight"):
         SourceConfig(path=a, weight=0)
 
