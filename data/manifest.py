@@ -88,29 +88,25 @@ def split_member(name: str) -> tuple[str, str]:
 def iter_sample_at(tar_path: str | os.PathLike, offset: int) -> tuple[str, dict[str, bytes]]:
     """Read the sample whose first member's header starts at byte `offset` of `tar_path` (the
     `offset` a manifest lists). Returns (key, {member_suffix: bytes}), e.g.
-    ("3f2a...", {"doc.json": b"...", "img0.jpg": b"..."})."""
+    ("3f2a...", {"doc.json": b"...", "img0.jpg": b"..."}). tarfile parses the headers, so pax and
+    GNU long-name headers (webdataset's TarWriter writes pax) are read like plain ones."""
     members: dict[str, bytes] = {}
     key = None
     with open(tar_path, "rb") as f:
         f.seek(offset)
-        while True:
-            header = f.read(tarfile.BLOCKSIZE)
-            if len(header) < tarfile.BLOCKSIZE or header == b"\0" * tarfile.BLOCKSIZE:
-                break
-            try:
-                info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
-            except tarfile.HeaderError as err:
-                raise ValueError(f"{tar_path}: no valid tar header at byte {f.tell() - tarfile.BLOCKSIZE} ({err})") from None
-            k, suffix = split_member(info.name)
+        try:
+            with tarfile.open(fileobj=f, mode="r|") as tf:
+                for info in tf:
+                    k, suffix = split_member(info.name)
+                    if key is None:
+                        key = k
+                    elif k != key:
+                        break
+                    members[suffix] = tf.extractfile(info).read() if info.isfile() else b""
+        except (tarfile.TarError, EOFError) as err:
             if key is None:
-                key = k
-            elif k != key:
-                break
-            data = f.read(info.size)
-            if len(data) != info.size:
-                raise ValueError(f"{tar_path}: member {info.name} is truncated")
-            members[suffix] = data
-            f.seek((-info.size) % tarfile.BLOCKSIZE, os.SEEK_CUR)
+                raise ValueError(f"{tar_path}: no valid tar header at byte {offset} ({err})") from None
+            raise ValueError(f"{tar_path}: sample {key} at byte {offset} is truncated or corrupt ({err})") from None
     if key is None:
         raise ValueError(f"{tar_path}: no sample at byte {offset}")
     return key, members

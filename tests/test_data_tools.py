@@ -125,6 +125,23 @@ def test_members_in_a_folder_group_by_key_in_every_reader(tmp_path):
     assert iter_sample_at(path, offset) == ("./b", {"doc.json": b'{"segments": []}', "img0.jpg": b"jpg"})
 
 
+def test_iter_sample_at_reads_pax_shards_written_by_webdataset(tmp_path):
+    """webdataset's TarWriter writes a pax header before every member (float mtime)."""
+    import webdataset as wds
+
+    from omniloom.data.reader import index_shard
+
+    path = str(tmp_path / "pax.tar")
+    with wds.TarWriter(path) as w:
+        for i in range(3):
+            w.write({"__key__": f"k{i}", "doc.json": b'{"segments": []}', "img0.jpg": b"x" * i})
+    info = index_shard(path)
+    got = [iter_sample_at(path, off) for off in info.offsets]
+    assert got == [(f"k{i}", {"doc.json": b'{"segments": []}', "img0.jpg": b"x" * i}) for i in range(3)]
+    with pytest.raises(ValueError, match="no valid tar header"):
+        iter_sample_at(path, info.offsets[1] + 100)
+
+
 def test_cli_user_errors_exit_2(tmp_path, capsys):
     assert main(["data", "build", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
