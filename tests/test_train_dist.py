@@ -152,3 +152,43 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert [r["stopped_by"] for r in results] == ["signal", "signal"]
     assert results[0]["step"] == results[1]["step"]
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [f"step_{results[0]['step']:08d}"]
+
+
+_GRAD_CHECK = '''
+import copy, importlib.util, json, sys, torch
+spec = importlib.util.spec_from_file_location("standin", sys.argv[1]); standin = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(standin)
+from omniloom.pretrain.config import load_config
+from omniloom.pretrain.train import Trainer
+cfg = load_config(None, standin.base_overrides(sys.argv[2]) + ["data.num_workers=0", "train.grad_accum_steps=2",
+                                                               "optim.grad_clip=0", "checkpoint.every=0"])
+trainer = Trainer(cfg, build_model=standin.standin_builders(num_workers=0)[0],
+                  build_loader=standin.standin_builders(num_workers=0)[1], progress=False)
+def batches(rank):
+    out = [standin.make_batch(3, rank, i, 4, 16) for i in range(2)]
+    if rank == 1:
+        out[0].labels[:, 3:] = -100  # rank 1 sees few labels: 12 and 64 against rank 0's 64 and 64
+    return out
+rank = trainer.acc.process_index
+trainer.train_iter = iter(batches(rank))
+ref = copy.deepcopy(trainer.acc.unwrap_model(trainer.model))
+vec, _ = trainer._train_step()
+if rank == 0:
+    fields = ("input_ids", "labels", "positions", "doc_ids", "block_ids", "modality")
+    every = batches(0) + batches(1)
+    out = ref(**{f: torch.cat([getattr(b, f) for b in every]) for f in fields},
+              patches=every[0].patches, patch_kind=every[0].patch_kind)
+    out.loss.backward()
+    got = dict(trainer.acc.unwrap_model(trainer.model).named_parameters())
+    err = max(float((got[n].grad - p.grad).abs().max() / p.grad.abs().max()) for n, p in ref.named_parameters())
+    json.dump({"err": err, "loss": trainer._unpack(vec)["loss"], "want": out.loss.item()}, open(sys.argv[2] + "/grad.json", "w"))
+'''
+
+
+def test_two_process_gradient_is_the_mean_over_every_label_of_the_global_batch(tmp_path):
+    script = tmp_path / "grad_check.py"
+    script.write_text(_GRAD_CHECK)
+    _run([str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), str(script), str(STANDIN), str(tmp_path)])
+    res = json.loads((tmp_path / "grad.json").read_text())
+    assert res["err"] < 1e-4, res
+    assert abs(res["loss"] - res["want"]) < 1e-4 * res["want"], res
