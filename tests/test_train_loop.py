@@ -73,6 +73,21 @@ def test_no_weight_decay_on_norms_embeddings_biases():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
+def test_real_model_param_groups_decay_matrices_only():
+    from omniloom.model import OmniModel
+    from omniloom.model.config import ModelConfig
+
+    model = OmniModel(ModelConfig(dim=32, num_heads=2, num_kv_heads=1, num_layers=2, vocab_size=40,
+                                  rope_sections=(4, 6, 6)))
+    groups = param_groups(model, 0.1)
+    decay = set(next(g for g in groups if g["weight_decay"] > 0)["names"])
+    no_decay = set(next(g for g in groups if g["weight_decay"] == 0)["names"])
+    assert {"embed.tok.weight", "norm", "layers.0.attn_norm", "layers.1.ffn_norm", "layers.0.attn.q_norm"} <= no_decay
+    assert {"head.weight", "layers.0.attn.wq.weight", "layers.1.ffn.w_gate", "layers.1.ffn.w_down"} <= decay
+    assert all(p.ndim >= 2 for n, p in model.named_parameters() if n in decay)
+    assert decay | no_decay == {n for n, _ in model.named_parameters()}
+
+
 # ---- checkpoints --------------------------------------------------------------------------------
 def _fake_complete(ckpt_dir: Path, step: int) -> Path:
     d = ckpt_dir / ckpt_mod.checkpoint_name(step)
