@@ -66,7 +66,7 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
                                            "--video-patch-budget", "16", "--out", str(tok)),
               tok / "tokenizer.json"),
         Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo", "--no-progress",
-                                            *train_overrides],
+                                            "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
               run / "checkpoints" / f"step_{steps:08d}"),
         Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
                                 "--no-progress"), out / "eval.json"),

@@ -30,6 +30,7 @@ def test_every_stage_parses_with_the_real_cli(tmp_path):
             targs = build_arg_parser().parse_args(argv[argv.index("omniloom.pretrain.train") + 1:])
             cfg = config_from_args(targs)
             assert cfg.train.num_steps == 7 and cfg.model.num_layers == 2
+            assert cfg.checkpoint.resume == "auto"  # an interrupted demo continues its training
             assert [s.weight for s in cfg.data.sources] == [250.0, 1.0]
             assert stage.done_when.name == "step_00000007"
 
