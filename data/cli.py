@@ -20,7 +20,8 @@ inputs:
     .html                      -> one interleaved document: text blocks and local <img>/<video> in order
     .jsonl                     -> one document per line: {"schema":1,"segments":[...]} or OBELICS
                                   {"texts":[...],"images":[...]}; media paths relative to the JSONL file
-  media that an HTML page or JSONL record references is not also made a standalone document.
+  media that an HTML page or JSONL record references is not also made a standalone document
+  (--standalone-referenced changes that; otherwise its caption sidecar is listed in rejects.jsonl).
 
 policies:
   text must be UTF-8 (--bad-utf8), NUL bytes reject the file (--nul); a UTF-8 BOM is removed.

@@ -187,8 +187,6 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
                 continue
         if ext in IMAGE_EXT or ext in VIDEO_EXT and not (ext == ".ts" and _looks_like_text(full)):
             side = next((stem + s for s in (".txt", ".json") if stem + s in fileset), "")
-            if side:
-                sidecars.add(side)
             media_units.append(Unit(source=source, root=root, rel=rel, kind="image" if ext in IMAGE_EXT else "video", sidecar=side))
         elif ext in HTML_EXT:
             units.append(Unit(source=source, root=root, rel=rel, kind="html"))
@@ -205,12 +203,21 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
             units.append(Unit(source=source, root=root, rel=rel, kind="code", lang=CODE_EXT[ext]))
         else:
             units.append(Unit(source=source, root=root, rel=rel, kind="other"))
-    # Sidecars are captions, not documents of their own.
-    units = [u for u in units if u.rel not in sidecars]
+    unused_sidecars: set[str] = set()
     for u in media_units:
         if not standalone_referenced and _real(os.path.join(root, u.rel)) in referenced:
+            # The page or record that shows this media carries its own text; the caption file is
+            # reported rather than silently lost.
+            unused_sidecars.add(u.sidecar)
             continue
+        sidecars.add(u.sidecar)
         units.append(u)
+    # Sidecars are captions, not documents of their own.
+    units = [u for u in units if u.rel not in sidecars and u.rel not in unused_sidecars]
+    for side in sorted(unused_sidecars - sidecars - {""}):
+        units.append(Unit(source=source, root=root, rel=side, kind="reject", code="unused-caption",
+                          reason="caption sidecar of a media file that an HTML page or JSONL record already "
+                          "shows, so it is not a standalone document; pass --standalone-referenced to use it"))
     return units
 
 

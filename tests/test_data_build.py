@@ -154,6 +154,27 @@ def test_size_bound_and_duplicates(tmp_path):
     assert all("exact duplicate of document" in r["reason"] for r in rej)
 
 
+def test_caption_of_media_shown_by_a_page_is_reported_not_lost(tmp_path):
+    """A sidecar caption belongs to a standalone media document; when the media is only shown by an
+    HTML page the caption has no home: it must be a counted reject, or, with
+    --standalone-referenced, the caption of that standalone document."""
+    from omniloom.data.synth import make_image
+
+    src = tmp_path / "src"
+    make_image(src / "a.png", size=(32, 32))
+    (src / "a.txt").write_text("a caption nobody would see")
+    make_image(src / "b.png", size=(32, 32), seed=1)
+    (src / "b.txt").write_text("caption of a standalone picture")
+    (src / "page.html").write_text("<p>Look:</p><img src='a.png'><p>done</p>")
+    s = build([str(src)], str(tmp_path / "out"), progress=False)
+    assert s["documents"] == 2 and s["rejects"] == {"unused-caption": 1}
+    rej = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert rej[0]["path"].endswith("a.txt") and "--standalone-referenced" in rej[0]["reason"]
+    s = build([str(src)], str(tmp_path / "out2"), standalone_referenced=True, progress=False)
+    texts = [seg.get("text") for d, _ in _docs(tmp_path / "out2").values() for seg in d["segments"]]
+    assert s["documents"] == 3 and not s["rejects"] and "a caption nobody would see" in texts
+
+
 def test_drop_doc_policy_and_rerun_is_a_no_op(corpus, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
