@@ -27,7 +27,8 @@ policies:
   text must be UTF-8 (--bad-utf8), NUL bytes reject the file (--nul); a UTF-8 BOM is removed.
   media references must stay inside their SOURCE folder (no '..', no symlinks out).
   a document with a bad media segment keeps the rest (--on-bad-media drop-segment) or is dropped.
-  exact duplicates (same normalized text and media bytes) are dropped (--no-dedup keeps them).
+  exact duplicates (same prose up to whitespace, same code byte for byte, same media bytes) are
+  dropped (--no-dedup keeps them).
   every rejection is a line of DIR/rejects.jsonl with the input path and the reason.
 
 output: DIR/NAME-000000.tar ... (WebDataset, one sample per document), DIR/manifest.json,

@@ -247,7 +247,7 @@ def build(
             bar.update(res)
             rejects = res["rejects"]
             if res["doc"] is not None and dedup and res["fingerprint"] in seen:
-                rejects = rejects + [{"path": units[i].display, "code": "duplicate", "reason": f"exact duplicate of document {seen[res['fingerprint']]} (same normalized text and media bytes)", "action": "dropped-doc"}]
+                rejects = rejects + [{"path": units[i].display, "code": "duplicate", "reason": f"exact duplicate of document {seen[res['fingerprint']]} (same prose up to whitespace, same code and media bytes)", "action": "dropped-doc"}]
                 res["doc"] = None
             if res["doc"] is not None:
                 doc_json = json.dumps(res["doc"], ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")

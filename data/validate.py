@@ -90,12 +90,15 @@ def normalize_for_dedup(text: str) -> str:
 
 
 def segment_fingerprint(seg_type: str, payload: bytes | str) -> bytes:
-    """Digest of one segment for duplicate detection: normalized text, or the media bytes."""
+    """Digest of one segment for duplicate detection: normalized prose, code exactly as written
+    (its whitespace is meaning: two Python files that differ only in indentation are different
+    programs), or the media bytes."""
     h = hashlib.blake2b(digest_size=16)
     h.update(seg_type.encode())
     h.update(b"\0")
     if isinstance(payload, str):
-        h.update(normalize_for_dedup(payload).encode("utf-8", "surrogatepass"))
+        text = normalize_for_dedup(payload) if seg_type == "text" else payload
+        h.update(text.encode("utf-8", "surrogatepass"))
     else:
         h.update(payload)
     return h.digest()

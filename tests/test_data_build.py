@@ -152,6 +152,14 @@ def test_size_bound_and_duplicates(tmp_path):
     assert s["shards"] == len(man["shards"])
     rej = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert all("exact duplicate of document" in r["reason"] for r in rej)
+    # Code is compared exactly: indentation changes the program, so neither copy is a duplicate.
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "a.py").write_text("if x:\n    f()\ng()\n")
+    (code / "b.py").write_text("if x:\n    f()\n    g()\n")
+    (code / "c.py").write_text("if x:\n    f()\ng()\n")
+    s = build([str(code)], str(tmp_path / "code_out"), progress=False)
+    assert s["documents"] == 2 and s["rejects"] == {"duplicate": 1}
 
 
 def test_caption_of_media_shown_by_a_page_is_reported_not_lost(tmp_path):
