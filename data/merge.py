@@ -57,20 +57,27 @@ def merge(part_dirs: list[str], out: str, *, mode: str = "link", name: str | Non
     if os.path.exists(os.path.join(out, MANIFEST)):
         raise ValueError(f"{out} already holds a manifest; merge into a new folder")
 
+    # Every check runs before the first file is placed: a refused merge leaves the parts untouched
+    # (with --mode move, a failure half-way would otherwise strand shards in --out).
     keys: dict[str, str] = {}
+    for d, man in mans:
+        for shard in man["shards"]:
+            for smp in shard["samples"]:
+                if smp["key"] in keys:
+                    raise ValueError(f"key {smp['key']} is in both {keys[smp['key']]} and {d}; parts overlap")
+                keys[smp["key"]] = d
+            src = os.path.join(d, shard["name"])
+            if not os.path.isfile(src):
+                raise ValueError(f"{src} is listed in {d}/{MANIFEST} but missing; run `omniloom data verify {d}`")
+            if os.path.getsize(src) != shard["bytes"]:
+                raise ValueError(f"{src} is {os.path.getsize(src)} bytes but its manifest says {shard['bytes']}; run `omniloom data verify {d}`")
     shards, totals_seg, totals_media, codes = [], Counter(), Counter(), Counter()
     rejects_tmp = os.path.join(out, REJECTS + ".tmp")
     with open(rejects_tmp, "w", encoding="utf-8") as rej_out:
         for d, man in mans:
             for shard in man["shards"]:
-                for smp in shard["samples"]:
-                    if smp["key"] in keys:
-                        raise ValueError(f"key {smp['key']} is in both {keys[smp['key']]} and {d}; parts overlap")
-                    keys[smp["key"]] = d
                 new_name = f"{name}-{len(shards):06d}.tar"
                 src = os.path.join(d, shard["name"])
-                if os.path.getsize(src) != shard["bytes"]:
-                    raise ValueError(f"{src} is {os.path.getsize(src)} bytes but its manifest says {shard['bytes']}; run `omniloom data verify {d}`")
                 _place(src, os.path.join(out, new_name), mode)
                 shards.append({**shard, "name": new_name})
             totals_seg.update(man["totals"]["segments"])

@@ -52,6 +52,19 @@ def test_parts_merge_into_the_full_dataset(src, full, tmp_path):
     assert main(["-q", "data", "verify", str(tmp_path / "merged")]) == 0
     with pytest.raises(ValueError, match="twice"):
         merge([parts[0], parts[0], parts[1], parts[2]], str(tmp_path / "dup"))
+    # A refused move leaves every part whole: all checks run before the first shard moves.
+    import shutil
+
+    broken = tmp_path / "p2_broken"
+    shutil.copytree(parts[2], broken)
+    last = read_manifest(broken)["shards"][-1]["name"]
+    with open(broken / last, "ab") as f:
+        f.write(b"\0" * 512)
+    before = {p: sorted(os.listdir(p)) for p in parts[:2]}
+    with pytest.raises(ValueError, match="bytes but its manifest says"):
+        merge([parts[0], parts[1], str(broken)], str(tmp_path / "moved"), mode="move")
+    assert {p: sorted(os.listdir(p)) for p in parts[:2]} == before
+    assert not list((tmp_path / "moved").glob("*.tar"))
 
 
 def test_inspect_stats_verify(full, tmp_path, capsys):
