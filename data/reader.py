@@ -110,10 +110,13 @@ def _shards_from_manifest(manifest: dict, base: str, urls: list[str] | None, whe
         # shard file name it contains (a pipe: command carries it inside the command line).
         pairs = []
         for url in urls:
-            hits = [n for n in by_name if n in url]
-            if not hits:
-                raise ValueError(f"shard '{url}' is not listed in {where}; rebuild the manifest or fix the pattern")
-            pairs.append((url, by_name[max(hits, key=len)]))
+            entry = by_name.get(url.rsplit("/", 1)[-1])  # the usual case, without a scan of every name
+            if entry is None:
+                hits = [n for n in by_name if n in url]
+                if not hits:
+                    raise ValueError(f"shard '{url}' is not listed in {where}; rebuild the manifest or fix the pattern")
+                entry = by_name[max(hits, key=len)]
+            pairs.append((url, entry))
     for url, e in pairs:
         samples = e.get("samples") or []
         shards.append(ShardInfo(url=url, name=e["name"], offsets=[int(s["offset"]) for s in samples],

@@ -188,6 +188,9 @@ def test_brace_pattern_and_explicit_manifest(corpus):
     assert by_pattern.num_samples == 34
     pipe = resolve_source(SourceConfig(path=f"pipe:cat {a}/a-000002.tar", manifest=os.path.join(a, "manifest.json")))
     assert pipe.num_samples == 11
+    # a command whose last word is not the shard name still finds its manifest entry
+    piped = resolve_source(SourceConfig(path=f"pipe:cat {a}/a-000002.tar | cat", manifest=os.path.join(a, "manifest.json")))
+    assert [s.name for s in piped.shards] == ["a-000002.tar"] and piped.num_samples == 11
     doc, media = SampleReader(pipe.shards).read_document(0, 3)  # streamed, skipping to the offset
     local = SampleReader(resolve_source(SourceConfig(path=a)).shards).read_document(2, 3)
     assert (doc, media) == local
