@@ -79,6 +79,9 @@ class ModelConfig:
     num_kv_heads: int = 2
     vocab_size: int = 0  # 0: taken from tokenizer.json by pretrain/
     patch_token_id: int = -1  # id of <|patch|>; -1: taken from tokenizer.json by pretrain/
+    # id of the packing pad token: padding is routed (static shapes) but never counted in expert
+    # loads, balancing or aux losses; -1: taken from tokenizer.json by pretrain/ (-1 there: no padding)
+    pad_token_id: int = -1
     rope_base: float = 10000.0
     rope_sections: tuple[int, int, int] = (16, 24, 24)  # head-dim split (t, h, w); sums to head_dim
     patch_dim: int = 3 * 16 * 16

@@ -64,11 +64,11 @@ class Block(nn.Module):
         self.is_moe = cfg.is_moe_layer(layer)
         self.ffn = MoE(cfg, ops) if self.is_moe else SwiGLUMLP(cfg.dim, cfg.moe.dense_dim, ops)
 
-    def forward(self, x_BSD, cos_BSd, sin_BSd, ctx: AttnContext, modality_BS):
+    def forward(self, x_BSD, cos_BSd, sin_BSd, ctx: AttnContext, modality_BS, real_BS=None):
         x_BSD = x_BSD + self.attn(self.ops.rms_norm(x_BSD, self.attn_norm, self.eps), cos_BSd, sin_BSd, ctx)
         h = self.ops.rms_norm(x_BSD, self.ffn_norm, self.eps)
         if self.is_moe:
-            y, stats = self.ffn(h, modality_BS)
+            y, stats = self.ffn(h, modality_BS, real_BS)
             return x_BSD + y, stats
         return x_BSD + self.ffn(h), None
 
@@ -134,9 +134,10 @@ class OmniModel(nn.Module):
         cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
         info = build_mask_info(doc_ids, block_ids, block_size=cfg.attention.block_size, window=cfg.attention.window)
         ctx = AttnContext(info, cfg.attention.backend, cfg.attention.num_selected_blocks, x_BSD.device)
+        real_BS = input_ids != cfg.pad_token_id if cfg.pad_token_id >= 0 else None
         moe_stats = []
         for layer in self.layers:
-            x_BSD, stats = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality)
+            x_BSD, stats = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality, real_BS)
             if stats is not None:
                 moe_stats.append(stats)
         output_rms = x_BSD.detach().float().pow(2).mean().sqrt()

@@ -156,7 +156,10 @@ class MoE(nn.Module):
         w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)  # gates of the chosen experts sum to 1
         return topk_idx_TK, w_TK, logits_TE, probs_TE
 
-    def forward(self, x_BSD: torch.Tensor, modality_BS: torch.Tensor):
+    def forward(self, x_BSD: torch.Tensor, modality_BS: torch.Tensor, real_BS: torch.Tensor | None = None):
+        """`real_BS` (bool, optional) marks non-padding tokens: padding is routed like any token
+        (dropless, static shapes) but left out of the expert counts, the balancing they drive and
+        the aux / router-z losses, so it cannot skew the load toward the experts it lands on."""
         B, S, D = x_BSD.shape
         E, K = self.num_experts, self.top_k
         x_TD = x_BSD.reshape(-1, D)
@@ -170,19 +173,22 @@ class MoE(nn.Module):
         y_TD = self.ops.moe_unpermute(y_ND, perm_N, w_TK).to(x_TD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        counts_ME = torch.bincount(
-            (modality_T.unsqueeze(1) * E + topk_idx_TK).reshape(-1), minlength=NUM_MODALITIES * E
-        ).view(NUM_MODALITIES, E)
+        pair_TK = modality_T.unsqueeze(1) * E + topk_idx_TK
+        real_T = None if real_BS is None else real_BS.reshape(-1)
+        if real_T is not None:
+            pair_TK, modality_T = pair_TK[real_T], modality_T[real_T]
+            logits_TE, probs_TE = logits_TE[real_T], probs_TE[real_T]
+        counts_ME = torch.bincount(pair_TK.reshape(-1), minlength=NUM_MODALITIES * E).view(NUM_MODALITIES, E)
         stats = {"counts_ME": counts_ME.detach()}
-        T = x_TD.shape[0]
+        T = max(int(pair_TK.shape[0]), 1)
         if self.cfg.aux_loss_coef > 0:
             # Switch-style balance: E * sum_e (share of routed rows to e) * (mean gate prob of e)
-            frac_E = counts_E.float() / (T * K)
+            frac_E = counts_ME.sum(0).float() / (T * K)
             p_TE = probs_TE / (probs_TE.sum(-1, keepdim=True) + 1e-20)
-            stats["aux_loss"] = E * (frac_E * p_TE.mean(0)).sum()
+            stats["aux_loss"] = E * (frac_E * p_TE.sum(0) / T).sum()
         if self.cfg.router_z_loss_coef > 0:
             allowed_logits = logits_TE.masked_fill(~self.allowed_ME[modality_T], float("-inf"))
-            stats["router_z_loss"] = torch.logsumexp(allowed_logits, dim=-1).pow(2).mean()
+            stats["router_z_loss"] = torch.logsumexp(allowed_logits, dim=-1).pow(2).sum() / T
         return y_TD.view(B, S, D), stats
 
     @torch.no_grad()

@@ -39,6 +39,7 @@ def random_packed_batch(
     bos, eos, img_open, img_close, vid_open, vid_close = specials
     text_hi = min(specials + ([patch_id] if patch_id >= 0 else []))
     patch_width = max(cfg.patch_dim, cfg.tubelet_dim)
+    skip_pad = int(0 <= cfg.pad_token_id < text_hi)
 
     ids = torch.zeros(batch_size, seq_len, dtype=torch.int64)
     mod = torch.full((batch_size, seq_len), SPECIAL, dtype=torch.uint8)
@@ -81,7 +82,8 @@ def random_packed_batch(
             p += 1
             for c, n in enumerate(text_chunks):
                 m = CODE if (r + d + c) % 3 == 2 else TEXT
-                for tok in torch.randint(0, text_hi, (n,), generator=g).tolist():
+                for tok in torch.randint(0, text_hi - skip_pad, (n,), generator=g).tolist():
+                    tok += int(skip_pad and tok >= cfg.pad_token_id)  # text never uses the pad id
                     put(tok, m, p, p, p)
                     p += 1
                 if c < len(blocks):
@@ -106,7 +108,7 @@ def random_packed_batch(
             assert i == end
         # padding: its own document, no labels
         doc[r, usable:] = docs_per_row
-        ids[r, usable:] = eos
+        ids[r, usable:] = cfg.pad_token_id if cfg.pad_token_id >= 0 else eos
     labels = torch.full_like(ids, -100)
     labels[:, :-1] = ids[:, 1:]
     same_doc = torch.zeros_like(ids, dtype=torch.bool)

@@ -37,7 +37,7 @@ class Loader(Protocol):
 
 def resolve_model_config(cfg) -> Any:
     """Fill the model fields the tokenizer decides (DESIGN 2.3): `vocab_size`, `patch_token_id`
-    (id of <|patch|>), `patch_dim` and `tubelet_dim`, from `data.tokenizer/tokenizer.json`.
+    (id of <|patch|>), `pad_token_id` (packing pad), `patch_dim` and `tubelet_dim`, from `data.tokenizer/tokenizer.json`.
     Returns a new RunConfig. A value set explicitly to something else is an error."""
     tok_dir = cfg.data.tokenizer
     if not tok_dir:
@@ -53,6 +53,7 @@ def resolve_model_config(cfg) -> Any:
     info = json.loads(path.read_text())
     specials = info.get("special_ids") or {}
     found = {"vocab_size": info.get("vocab_size"), "patch_token_id": specials.get("patch"),
+             "pad_token_id": specials.get("pad"),
              "patch_dim": info.get("patch_dim"), "tubelet_dim": info.get("tubelet_dim")}
     defaults = {f.name: f.default for f in dataclasses.fields(cfg.model)}
     updates: dict[str, Any] = {}
@@ -60,7 +61,7 @@ def resolve_model_config(cfg) -> Any:
         if value is None or name not in defaults:
             continue
         current = getattr(cfg.model, name)
-        if current not in (defaults[name], int(value)) and name in ("vocab_size", "patch_token_id"):
+        if current not in (defaults[name], int(value)) and name in ("vocab_size", "patch_token_id", "pad_token_id"):
             raise ValueError(f"model.{name}={current} but {path} says {value}; drop the override "
                              "(the tokenizer decides it)")
         if current != int(value) and current != defaults[name]:

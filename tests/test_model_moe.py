@@ -120,3 +120,33 @@ def test_grouped_dispatch_rejects_unaligned_dims():
         make_moe("grouped", expert_dim=12)
     assert not make_moe("auto", expert_dim=12).use_grouped(torch.device("cpu"))
     assert make_moe("auto").use_grouped(torch.device("cpu"))
+
+
+def test_padding_is_routed_but_not_counted_or_balanced():
+    layer = make_moe(aux_loss_coef=0.01, router_z_loss_coef=1e-3)
+    x = torch.randn(1, 20, 32)
+    mod = torch.zeros(1, 20, dtype=torch.long)
+    real = torch.ones(1, 20, dtype=torch.bool)
+    real[0, 14:] = False  # six padding tokens at the end of the row
+    y_all, stats_all = layer(x, mod)
+    y, stats = layer(x, mod, real)
+    torch.testing.assert_close(y, y_all)  # padding still goes through the experts (static shapes)
+    assert int(stats["counts_ME"].sum()) == 14 * layer.top_k
+    _, stats_real = layer(x[:, :14], mod[:, :14])  # the same as if padding were not there at all
+    assert torch.equal(stats["counts_ME"], stats_real["counts_ME"])
+    torch.testing.assert_close(stats["aux_loss"], stats_real["aux_loss"])
+    torch.testing.assert_close(stats["router_z_loss"], stats_real["router_z_loss"])
+
+
+def test_model_leaves_pad_tokens_out_of_expert_counts():
+    from omniloom.model import OmniModel
+    from omniloom.model.synthetic import random_packed_batch
+
+    cfg = ModelConfig(dim=32, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=64, rope_sections=(4, 6, 6),
+                      patch_dim=12, tubelet_dim=24, patch_token_id=8, pad_token_id=3, kernels="reference",
+                      moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=16, num_dense_layers=1))
+    batch = random_packed_batch(cfg, batch_size=2, seq_len=64, pad=7)
+    num_pad = int((batch["input_ids"] == 3).sum())
+    assert num_pad >= 14
+    out = OmniModel(cfg)(**batch)
+    assert int(out.expert_counts.sum()) == (batch["input_ids"].numel() - num_pad) * 2  # one MoE layer, top-2
