@@ -54,8 +54,9 @@ def _line_plot(path: Path, title: str, curves: list[tuple[str, list[int], list[f
 
 
 def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
-    """Token share per expert, one panel per modality, layers down and experts across, from the
-    last logged `moe/counts_LME`; falls back to max/mean imbalance per (layer, modality)."""
+    """Token share per expert, one panel per modality, MoE layers down (counted among MoE layers
+    only: leading dense layers have no experts) and experts across, from the last logged
+    `moe/counts_LME`; falls back to max/mean imbalance per (layer, modality)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,7 +77,7 @@ def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
             im = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0)
             ax.set_title(f"{MODALITIES[m] if m < len(MODALITIES) else m}")
             ax.set_xlabel("expert")
-            ax.set_yticks(range(len(moe_layers)), [f"layer {i}" for i in moe_layers])
+            ax.set_yticks(range(len(moe_layers)), [f"MoE layer {i}" for i in moe_layers])
             fig.colorbar(im, ax=ax, fraction=0.046, label="token share")
         fig.suptitle("expert load per layer and modality (last logged window)")
         fig.tight_layout()
@@ -96,7 +97,7 @@ def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
     fig, ax = plt.subplots(figsize=(6, 0.5 * len(layers) + 2), dpi=100)
     im = ax.imshow(grid, aspect="auto", cmap="magma")
     ax.set_xticks(range(len(MODALITIES)), MODALITIES)
-    ax.set_yticks(range(len(layers)), [f"layer {i}" for i in layers])
+    ax.set_yticks(range(len(layers)), [f"MoE layer {i}" for i in layers])
     fig.colorbar(im, ax=ax, label="max / mean expert load")
     ax.set_title("expert load imbalance per layer and modality")
     fig.tight_layout()
