@@ -122,9 +122,23 @@ def _summary(out: Path, timings: dict) -> None:
         for key in ("loss", "cross_modal_gap"):
             if key in ev:
                 print(f"  {key}: {json.dumps(ev[key], sort_keys=True)}")
+    metrics = out / "run" / "metrics.jsonl"
+    if metrics.exists():
+        from .metrics import read_metrics
+
+        evals = [r for r in read_metrics(metrics) if any(k.startswith("eval/loss/") for k in r)]
+        if len(evals) >= 2:
+            first, last = evals[0], evals[-1]
+            mods = sorted(k.split("/")[-1] for k in last if k.startswith("eval/loss/"))
+            print(f"  held-out loss, untrained (step {first['step']}) -> trained (step {last['step']}): "
+                  + ", ".join(f"{m} {first.get('eval/loss/' + m, float('nan')):.2f} -> {last['eval/loss/' + m]:.2f}" for m in mods))
     gen = out / "generate.txt"
     if gen.exists():
         print(f"  generated from an image: {gen.read_text().strip()[:200]!r}")
+        held = out / "corpus" / "heldout" / "shapes.jsonl"
+        if held.exists():  # the image is the first held-out shape; its caption was never trained on
+            caption = json.loads(held.read_text(encoding="utf-8").splitlines()[0])["meta"]["caption"]
+            print(f"  its true caption:         {caption!r}")
     if timings:
         print("  stage seconds: " + ", ".join(f"{k}={v}" for k, v in timings.items()))
 
