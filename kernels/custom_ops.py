@@ -219,9 +219,10 @@ def _ce_backward(ctx, grad_ce, grad_z, _grad_lse):
     # an output that did not reach the loss arrives as None: it contributes nothing
     grad_ce = torch.zeros_like(lse) if grad_ce is None else grad_ce
     grad_z = torch.zeros_like(lse) if grad_z is None else grad_z
-    gh, gw = torch.ops.omniloom.linear_ce_bwd(
-        grad_ce, grad_z, h, weight, labels, lse, ctx.ignore_index, ctx.chunk_size, need_h, need_w
-    )
+    with torch.autocast(h.device.type, enabled=False):  # backward() may run inside an autocast region
+        gh, gw = torch.ops.omniloom.linear_ce_bwd(
+            grad_ce, grad_z, h, weight, labels, lse, ctx.ignore_index, ctx.chunk_size, need_h, need_w
+        )
     return (gh if need_h else None), (gw if need_w else None), None, None, None
 
 
@@ -231,7 +232,8 @@ linear_ce_fwd.register_autograd(_ce_backward, setup_context=_ce_setup)
 def linear_cross_entropy(
     h_TD: Tensor, weight_VD: Tensor, labels_T: Tensor, *, ignore_index: int = -100, chunk_size: int = 4096
 ) -> tuple[Tensor, Tensor]:
-    """Per-token cross-entropy and z (= logsumexp^2) of `h @ weight.T` in fp32, both 0 where
+    """Per-token cross-entropy and z (= logsumexp^2) of `h @ weight.T` (GEMM in the compute dtype,
+    lse/ce/z in fp32), both 0 where
     labels == ignore_index; chunked over tokens in forward and backward so the [T, V] logits are
     never held whole."""
     if h_TD.dtype == torch.float64:
@@ -244,7 +246,10 @@ def linear_cross_entropy(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     _check_device(h_TD, weight_VD, labels_T)
-    ce, z, _ = torch.ops.omniloom.linear_ce_fwd(h_TD, weight_VD, labels_T, int(ignore_index), int(chunk_size))
+    # the GEMMs run in the autocast dtype (bf16 on GPU); lse, ce and z stay fp32 (reference.head_dtype)
+    dt = reference.head_dtype(h_TD, weight_VD)
+    with torch.autocast(h_TD.device.type, enabled=False):
+        ce, z, _ = torch.ops.omniloom.linear_ce_fwd(h_TD.to(dt), weight_VD.to(dt), labels_T, int(ignore_index), int(chunk_size))
     return ce, z
 
 

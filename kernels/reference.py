@@ -42,13 +42,52 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     chunk_size: int = 4096,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token cross-entropy and z (= logsumexp^2) of `h @ weight.T`, computed in fp32 chunk
-    by chunk with recomputation in backward, so the [T, V] logits are never held whole: the peak
-    is about one [chunk_size, V] buffer (plus the fp32 copy of W for low-precision weights).
+    """Per-token cross-entropy and z (= logsumexp^2) of `h @ weight.T`, chunk by chunk with
+    recomputation in backward, so the [T, V] logits are never held whole: the peak is about one
+    [chunk_size, V] fp32 buffer.
 
-    Returns (ce_T, z_T) in fp32 (float64 for float64 inputs), both 0 where labels == ignore_index. The caller reduces
-    (mean over valid tokens, z-loss coefficient, per-modality sums)."""
-    return _ChunkedLinearCE.apply(h_TD, weight_VD, labels_T, ignore_index, chunk_size)
+    The head GEMM runs in `head_dtype` (the autocast dtype inside an autocast region, else the
+    inputs' dtype): under bf16 autocast it is a bf16 GEMM whose logits are read out in fp32, and
+    the log-sum-exp, ce and z are computed in fp32 (the "fp32 head" of Chameleon and OLMo; an
+    fp32 GEMM over the vocabulary cost a third of an H200 step). Autocast is off inside forward
+    and backward, so backward() may also be called inside an autocast region.
+
+    Returns (ce_T, z_T) in fp32 (float64 for float64 inputs), both 0 where labels == ignore_index.
+    The caller reduces (mean over valid tokens, z-loss coefficient, per-modality sums)."""
+    dt = head_dtype(h_TD, weight_VD)
+    return _ChunkedLinearCE.apply(h_TD.to(dt), weight_VD.to(dt), labels_T, ignore_index, chunk_size)
+
+
+def head_dtype(h: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """Dtype of the output-head GEMM: autocast's inside an autocast region (float64 parity
+    checks stay float64), else the promoted dtype of the operands."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev) and h.dtype != torch.float64:
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(h.dtype, w.dtype)
+
+
+_MM_OUT_DTYPE: bool | None = None  # torch.mm(..., out_dtype=) works here (CUDA, torch >= 2.8)
+
+
+def head_logits(h_CD: torch.Tensor, w_VD: torch.Tensor) -> torch.Tensor:
+    """h @ w.T with the operands in their own (low-precision) dtype and the result in fp32 at
+    least: on CUDA one bf16/fp16 GEMM with an fp32 output (no bf16 rounding of the logits),
+    elsewhere the low-precision product upcast."""
+    global _MM_OUT_DTYPE
+    acc = _acc_dtype(h_CD)
+    if h_CD.dtype == acc:
+        return h_CD @ w_VD.t()
+    if h_CD.is_cuda:
+        if _MM_OUT_DTYPE is None:
+            try:
+                torch.mm(h_CD[:1], w_VD[:1].t(), out_dtype=acc)
+                _MM_OUT_DTYPE = True
+            except (TypeError, RuntimeError, NotImplementedError):
+                _MM_OUT_DTYPE = False
+        if _MM_OUT_DTYPE:
+            return torch.mm(h_CD, w_VD.t(), out_dtype=acc)
+    return (h_CD @ w_VD.t()).to(acc)
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -57,10 +96,9 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _ce_chunk_forward(h, w, labels, ignore_index):
-    """(ce, z, lse) of one chunk. The [C, V] logits buffer is the only big allocation: lse is
-    computed in place on it (max, subtract, exp, sum) after the target logits are read out."""
-    acc = _acc_dtype(h)
-    logits = h.to(acc) @ w.t()  # w already in acc dtype
+    """(ce, z, lse) of one chunk. The fp32 [C, V] logits buffer is the only big allocation: lse
+    is computed in place on it (max, subtract, exp, sum) after the target logits are read out."""
+    logits = head_logits(h, w)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, torch.zeros_like(labels))
     target = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
@@ -72,16 +110,18 @@ def _ce_chunk_forward(h, w, labels, ignore_index):
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
+    """h and w arrive in the head's compute dtype (linear_cross_entropy casts them)."""
+
     @staticmethod
     def forward(ctx, h, w, labels, ignore_index, chunk_size):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        ce = torch.empty(h.shape[0], dtype=_acc_dtype(h), device=h.device)
-        z, lse = torch.empty_like(ce), torch.empty_like(ce)
-        w_acc = w.to(ce.dtype)  # once per call, not once per chunk
-        for s in range(0, h.shape[0], chunk_size):
-            e = min(s + chunk_size, h.shape[0])
-            ce[s:e], z[s:e], lse[s:e] = _ce_chunk_forward(h[s:e], w_acc, labels[s:e], ignore_index)
+        with torch.autocast(h.device.type, enabled=False):
+            ce = torch.empty(h.shape[0], dtype=_acc_dtype(h), device=h.device)
+            z, lse = torch.empty_like(ce), torch.empty_like(ce)
+            for s in range(0, h.shape[0], chunk_size):
+                e = min(s + chunk_size, h.shape[0])
+                ce[s:e], z[s:e], lse[s:e] = _ce_chunk_forward(h[s:e], w, labels[s:e], ignore_index)
         ctx.save_for_backward(h, w, labels, lse)
         ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
         return ce, z
@@ -89,15 +129,19 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, grad_z):
         h, w, labels, lse_T = ctx.saved_tensors
+        with torch.autocast(h.device.type, enabled=False):
+            return _ChunkedLinearCE._backward(ctx, h, w, labels, lse_T, grad_ce, grad_z)
+
+    @staticmethod
+    def _backward(ctx, h, w, labels, lse_T, grad_ce, grad_z):
         acc = _acc_dtype(h)
-        grad_h = torch.zeros_like(h, dtype=acc) if ctx.needs_input_grad[0] else None
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(w, dtype=acc) if ctx.needs_input_grad[1] else None
-        w_acc = w.to(acc)
         grad_ce = torch.zeros_like(lse_T) if grad_ce is None else grad_ce
         grad_z = torch.zeros_like(lse_T) if grad_z is None else grad_z
         for s in range(0, h.shape[0], ctx.chunk_size):
             e = min(s + ctx.chunk_size, h.shape[0])
-            h_acc = h[s:e].to(acc)
+            h_c = h[s:e]
             valid = labels[s:e] != ctx.ignore_index
             safe = torch.where(valid, labels[s:e], torch.zeros_like(labels[s:e]))
             lse = lse_T[s:e]
@@ -105,15 +149,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
             gz = torch.where(valid, grad_z[s:e].to(acc), torch.zeros_like(lse))
             # d ce / d logits = softmax - onehot; d z / d logits = 2 * lse * softmax.
             # The recomputed logits become the gradient in place: one [C, V] buffer.
-            g = (h_acc @ w_acc.t()).sub_(lse.unsqueeze(1)).exp_().mul_((gce + 2.0 * lse * gz).unsqueeze(1))
+            g = head_logits(h_c, w).sub_(lse.unsqueeze(1)).exp_().mul_((gce + 2.0 * lse * gz).unsqueeze(1))
             g.scatter_add_(1, safe.unsqueeze(1), -gce.unsqueeze(1))
+            g = g.to(h.dtype)  # the two gradient GEMMs run in the compute dtype too
             if grad_h is not None:
-                grad_h[s:e] = g @ w_acc
+                grad_h[s:e] = g @ w
             if grad_w is not None:
-                grad_w.addmm_(g.t(), h_acc)
+                grad_w += head_logits(g.t(), h_c.t())
             del g
         return (
-            None if grad_h is None else grad_h.to(h.dtype),
+            grad_h,
             None if grad_w is None else grad_w.to(w.dtype),
             None, None, None,
         )
@@ -123,18 +168,20 @@ def moe_permute(x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, num_experts: int)
     """Sort the T*K (token, expert) pairs by expert, stably.
 
     Returns (x_ND rows gathered in expert order, perm_N indices into the flattened T*K pairs,
-    counts_E tokens per expert as int64)."""
+    counts_E tokens per expert as int64). Counts by index_add into a fixed-size buffer, not
+    bincount (which reads its input's max back to the host on CUDA)."""
     flat_N = topk_idx_TK.reshape(-1)
     perm_N = torch.argsort(flat_N, stable=True)
     k = topk_idx_TK.shape[1]
     x_ND = x_TD.index_select(0, perm_N // k)
-    counts_E = torch.bincount(flat_N, minlength=num_experts)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_N.device).index_add_(0, flat_N, torch.ones_like(flat_N))
     return x_ND, perm_N, counts_E
 
 
 def moe_unpermute(y_ND: torch.Tensor, perm_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """Inverse of moe_permute, weighted: out[t] = sum_k weights[t, k] * y[row of pair (t, k)]."""
+    """Inverse of moe_permute, weighted: out[t] = sum_k weights[t, k] * y[row of pair (t, k)],
+    as one weighted index_add over the rows (no [T*K, D] intermediate in pair order)."""
     T, K = weights_TK.shape
-    y_TKD = torch.empty((T * K, y_ND.shape[-1]), dtype=y_ND.dtype, device=y_ND.device)
-    y_TKD = y_TKD.index_copy(0, perm_N, y_ND).view(T, K, -1)
-    return (y_TKD * weights_TK.unsqueeze(-1).to(y_ND.dtype)).sum(1)
+    w_N = weights_TK.reshape(-1).index_select(0, perm_N).to(y_ND.dtype)
+    out = torch.zeros((T, y_ND.shape[-1]), dtype=y_ND.dtype, device=y_ND.device)
+    return out.index_add(0, perm_N // K, y_ND * w_N.unsqueeze(1))

@@ -1,7 +1,7 @@
 """Triton linear + cross-entropy + z-loss, chunked over tokens (Liger-style fusion).
 
-For each chunk of C tokens the logits `h_C @ W.T` come from one fp32 matmul (cuBLAS does that
-part best); one Triton kernel then reads the [C, V] chunk once for logsumexp, target logit, ce and
+For each chunk of C tokens the logits `h_C @ W.T` come from one matmul in the compute dtype
+(bf16 under autocast) with fp32 logits out (cuBLAS does that part best); one Triton kernel then reads the [C, V] chunk once for logsumexp, target logit, ce and
 z; in backward the chunk is recomputed and a second kernel overwrites it in place with
 d(loss)/d(logits) (softmax scaled by the incoming gradients, minus the one-hot), which two more
 matmuls turn into grad_h and grad_W. So at most one [C, V] fp32 buffer is alive, in forward and
@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .reference import head_logits
 
 CE_BLOCK_V = 2048
 
@@ -68,8 +70,12 @@ def _ce_bwd_kernel(
 
 
 def _check_labels(labels_T: torch.Tensor, V: int, ignore_index: int) -> None:
-    # One host sync per call (once per step): an out-of-range label would read outside the row.
+    # An out-of-range label would read outside the logits row. On CUDA the check is an
+    # asynchronous device assert (no host sync in the step); under the CPU interpreter, a ValueError.
     bad = (labels_T != ignore_index) & ((labels_T < 0) | (labels_T >= V))
+    if labels_T.is_cuda:
+        torch._assert_async(~bad.any(), f"linear_cross_entropy: a label is outside the vocab [0, {V})")
+        return
     if bool(bad.any()):
         first = labels_T[bad][0].item()
         raise ValueError(f"linear_cross_entropy: label {first} is outside the vocab [0, {V}); use {ignore_index} for no loss")
@@ -89,12 +95,12 @@ def linear_ce_fwd(
     dev = h_TD.device
     ce_T = torch.empty(T, dtype=torch.float32, device=dev)
     z_T, lse_T = torch.empty_like(ce_T), torch.empty_like(ce_T)
-    w32_VD = weight_VD.float()  # once per call, not once per chunk
     labels_T = labels_T.contiguous()
     cfg = _launch_cfg(V)
     for s in range(0, T, chunk_size):
         e = min(s + chunk_size, T)
-        logits_CV = h_TD[s:e].float() @ w32_VD.t()
+        # the GEMM in h's dtype (bf16 under autocast) with fp32 logits out
+        logits_CV = head_logits(h_TD[s:e], weight_VD)
         _ce_fwd_kernel[(e - s,)](
             logits_CV, labels_T[s:e], ce_T[s:e], z_T[s:e], lse_T[s:e], V, logits_CV.stride(0), ignore_index, **cfg
         )
@@ -106,10 +112,10 @@ def linear_ce_bwd(
     grad_ce_T: torch.Tensor, grad_z_T: torch.Tensor, h_TD: torch.Tensor, weight_VD: torch.Tensor,
     labels_T: torch.Tensor, lse_T: torch.Tensor, ignore_index: int, chunk_size: int, need_h: bool, need_w: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_h in h's dtype, grad_W in W's dtype); a gradient that is not needed comes back empty."""
+    """(grad_h in h's dtype, grad_W in W's dtype); a gradient that is not needed comes back empty.
+    The three GEMMs run in h's dtype; the logits gradient and grad_W accumulate in fp32."""
     T, V = h_TD.shape[0], weight_VD.shape[0]
     dev = h_TD.device
-    w32_VD = weight_VD.float()
     grad_h = torch.empty((T, h_TD.shape[1]), dtype=h_TD.dtype, device=dev) if need_h else h_TD.new_empty(0)
     grad_w32 = torch.zeros(weight_VD.shape, dtype=torch.float32, device=dev) if need_w else None
     labels_T = labels_T.contiguous()
@@ -117,13 +123,14 @@ def linear_ce_bwd(
     cfg = _launch_cfg(V)
     for s in range(0, T, chunk_size):
         e = min(s + chunk_size, T)
-        h32_CD = h_TD[s:e].float()
-        g_CV = h32_CD @ w32_VD.t()
+        h_CD = h_TD[s:e]
+        g_CV = head_logits(h_CD, weight_VD)
         _ce_bwd_kernel[(e - s,)](g_CV, labels_T[s:e], lse_T[s:e], gce[s:e], gz[s:e], V, g_CV.stride(0), ignore_index, **cfg)
+        g_CV = g_CV.to(h_TD.dtype)
         if need_h:
-            grad_h[s:e] = g_CV @ w32_VD
+            grad_h[s:e] = g_CV @ weight_VD
         if grad_w32 is not None:
-            grad_w32.addmm_(g_CV.t(), h32_CD)
+            grad_w32 += head_logits(g_CV.t(), h_CD.t())
         del g_CV
     grad_w = grad_w32.to(weight_VD.dtype) if grad_w32 is not None else weight_VD.new_empty(0)
     return grad_h, grad_w

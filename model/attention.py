@@ -15,13 +15,14 @@ Backends (chosen once at construction by `check_backend`, DESIGN 3.3):
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .masks import MaskInfo, block_ranges, dense_mask, select_blocks, selected_block_slots, token_mask
+from .masks import BatchLayout, MaskInfo, batch_layout, block_ranges, dense_mask, select_blocks, selected_block_slots, token_mask
 
 log = logging.getLogger(__name__)
 BACKENDS = ("sdpa", "blocksparse", "flex", "flash")
@@ -97,30 +98,57 @@ def gathered_attention(
 
 
 _FLEX_COMPILED = None
+FLEX_RECOMPILE_LIMIT = 64  # (layer kind x shape) variants one process may compile
 
 
 def _flex_attention():
+    """flex_attention compiled once per process. Compiled it is the fused kernel; eager it
+    materializes the whole score matrix (a 32 GiB allocation at 16k tokens), so hitting dynamo's
+    recompile limit must be an error, never the silent eager fallback torch uses by default."""
     global _FLEX_COMPILED
     if _FLEX_COMPILED is None:
+        import torch._dynamo
         from torch.nn.attention.flex_attention import flex_attention
 
-        # eager flex_attention materializes scores; compiled it is the fused kernel
-        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), FLEX_RECOMPILE_LIMIT))
+        if hasattr(cfg, "fail_on_recompile_limit_hit"):
+            cfg.fail_on_recompile_limit_hit = True
+        else:  # older torch: no switch to raise; say so once rather than pretend
+            log.warning("this torch cannot make a flex_attention recompile-limit hit an error; watch for dynamo warnings")
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     return _FLEX_COMPILED
 
 
 class AttnContext:
-    """The mask description of one forward, shared by every layer of the same kind: dense masks,
-    gathered-block slots or flex BlockMasks are built on first use and reused. B layers build
-    their selection per layer (it depends on that layer's queries and keys)."""
+    """The mask description of one forward, shared by every layer of the same kind: segment
+    masks, gathered-block slots or flex BlockMasks are built on first use and reused. B layers
+    build their selection per layer (it depends on that layer's queries and keys).
 
-    def __init__(self, info: MaskInfo, backend: str, num_selected_blocks: int, device: torch.device):
+    `layout` (masks.BatchLayout, computed on the host from the CPU batch) sizes the sdpa,
+    blocksparse and flash paths with no device read; without it, it is derived from the mask
+    info on first use (a device sync on GPU: the trainer and eval always pass it)."""
+
+    def __init__(self, info: MaskInfo, backend: str, num_selected_blocks: int, device: torch.device, layout: BatchLayout | None = None):
         if backend in ("flex", "flash") and device.type != "cuda":
             raise ValueError(f"attention backend '{backend}' runs on CUDA only; move the model to a GPU or choose blocksparse")
         self.info, self.backend, self.num_selected = info, backend, num_selected_blocks
         self.cache: dict[str, object] = {}
-        if backend == "flash" and info.has_visual:
-            log.debug("flash cannot express bidirectional visual blocks: this batch uses blocksparse")
+        if layout is not None and layout.seq_len != info.seq_len:
+            raise ValueError(f"BatchLayout is for seq_len {layout.seq_len}, the batch has {info.seq_len}")
+        self._layout = layout
+
+    @property
+    def layout(self) -> BatchLayout:
+        if self._layout is None:
+            S = self.info.seq_len
+            self._layout = batch_layout(
+                self.info.doc_BS[:, :S], self.info.vis_BS[:, :S], block_size=self.info.block_size,
+                window=self.info.window, num_selected=self.num_selected,
+            )
+        return self._layout
 
     def _cached(self, key: str, build):
         if key not in self.cache:
@@ -131,39 +159,67 @@ class AttnContext:
         """Attention output [B, H, S, D] for one layer of `kind` (L, G or B)."""
         info, backend = self.info, self.backend
         sel = select_blocks(info, q_BHSD, k_BKSD, self.num_selected) if kind == "B" else None
-        if backend == "flash" and (kind == "B" or info.has_visual):
+        if backend == "flash" and (kind == "B" or any(seg[2] for row in self.layout.segments for seg in row)):
+            log.debug("flash cannot express B layers or bidirectional visual blocks: this layer uses blocksparse")
             backend = "blocksparse"
         if backend == "sdpa":
-            mask = dense_mask(info, kind, sel) if sel is not None else self._cached(f"dense{kind}", lambda: dense_mask(info, kind))
-            return self._sdpa(q_BHSD, k_BKSD, v_BKSD, mask)
+            if sel is None:
+                return self._segments(q_BHSD, k_BKSD, v_BKSD, kind)
+            return self._sdpa(q_BHSD, k_BKSD, v_BKSD, dense_mask(info, kind, sel))
         if backend == "blocksparse":
             if sel is not None:
-                kv_idx, valid = selected_block_slots(info, sel)
+                kv_idx, valid = selected_block_slots(info, sel, self.layout.slots["B"])
                 mask = gathered_mask(info, kind, kv_idx, valid, sel)
             else:
+                if self.layout.slots[kind] > DENSE_FRACTION * info.num_blocks:
+                    # a G layer over long documents: gathering would copy keys N times over for no
+                    # saving; attention per document segment does the same rule with no S x S mask
+                    return self._segments(q_BHSD, k_BKSD, v_BKSD, kind)
                 kv_idx, mask = self._cached(f"gathered{kind}", lambda: self._gathered(kind))
-                if kv_idx is None:
-                    return self._sdpa(q_BHSD, k_BKSD, v_BKSD, mask)
             return gathered_attention(q_BHSD, k_BKSD, v_BKSD, info.block_size, kv_idx, mask)
         if backend == "flex":
             return self._flex(q_BHSD, k_BKSD, v_BKSD, kind, sel)
         return self._flash(q_BHSD, k_BKSD, v_BKSD, kind)
 
     def _gathered(self, kind):
-        kv_idx, valid = block_ranges(self.info, kind)
-        if kv_idx.shape[-1] > DENSE_FRACTION * self.info.num_blocks:
-            # a G layer over one long document: gathering would copy keys N times over for no
-            # saving, so the same rule runs as one dense masked pass (returned as kv_idx None)
-            return None, dense_mask(self.info, kind)
+        kv_idx, valid = block_ranges(self.info, kind, self.layout.slots[kind])
         return kv_idx, gathered_mask(self.info, kind, kv_idx, valid)
+
+    def _segments(self, q, k, v, kind):
+        """L and G layers one document at a time: a text document under a G layer (or no longer
+        than the window under an L layer) is plain causal attention (`is_causal`, GQA in the
+        kernel: the fused flash path on CPU and GPU); a document with visual blocks, or longer than
+        an L window, gets a mask of its own length only. No [S, S] mask and no K/V copies."""
+        info, window = self.info, self.info.window
+        rows = []
+        for b, segs in enumerate(self.layout.segments):
+            parts = []
+            for s0, e0, has_vis in segs:
+                qs, ks, vs = q[b : b + 1, :, s0:e0], k[b : b + 1, :, s0:e0], v[b : b + 1, :, s0:e0]
+                if not has_vis and (kind == "G" or e0 - s0 <= window):
+                    parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
+                    continue
+                mask = self._cached(f"seg{kind}:{b}:{s0}", lambda: self._segment_mask(b, s0, e0, kind))
+                parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True))
+            rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+        return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+    def _segment_mask(self, b: int, s0: int, e0: int, kind: str) -> torch.Tensor:
+        """The rule inside one document (documents are contiguous, so only causality, visual
+        blocks and the window remain): [e0 - s0, e0 - s0] bool."""
+        vis = self.info.vis_BS[b, s0:e0]
+        idx = torch.arange(e0 - s0, device=vis.device)
+        m = (idx[None, :] <= idx[:, None]) | ((vis[:, None] >= 0) & (vis[:, None] == vis[None, :]))
+        if kind == "L":
+            m = m & ((idx[:, None] - idx[None, :]).abs() < self.info.window)
+        return m
 
     @staticmethod
     def _sdpa(q, k, v, mask_BKSS):
-        G = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        """Dense masked attention (B layers under the sdpa reference backend): GQA in the kernel."""
         if mask_BKSS.shape[1] > 1:
-            mask_BKSS = mask_BKSS.repeat_interleave(G, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BKSS)
+            mask_BKSS = mask_BKSS.repeat_interleave(q.shape[1] // mask_BKSS.shape[1], dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BKSS, enable_gqa=True)
 
     def _flex(self, q, k, v, kind, sel):
         from torch.nn.attention.flex_attention import create_block_mask
@@ -183,7 +239,8 @@ class AttnContext:
             return m
 
         def build():
-            return create_block_mask(mask_mod, B, H if sel is not None else None, S, S, device=q.device)
+            # compiled on CUDA: built on the GPU without an [S, S] tensor (_compile=True)
+            return create_block_mask(mask_mod, B, H if sel is not None else None, S, S, device=q.device, _compile=q.is_cuda)
 
         block_mask = build() if sel is not None else self._cached(f"flex{kind}", build)
         if q.device.type != "cuda":  # eager: only the forward, used by the CPU parity test of the mask_mod
@@ -201,12 +258,10 @@ class AttnContext:
         B, H, S, D = q.shape
 
         def build():
-            doc = info.doc_BS[:, :S]
-            change = torch.ones_like(doc, dtype=torch.bool)
-            change[:, 1:] = doc[:, 1:] != doc[:, :-1]
-            starts = change.flatten().nonzero().flatten()
-            cu = torch.cat([starts, starts.new_tensor([B * S])]).to(torch.int32)
-            return cu, int((cu[1:] - cu[:-1]).max())
+            # document boundaries from the host layout: no nonzero / device read
+            lens = [e0 - s0 for segs in self.layout.segments for s0, e0, _ in segs]
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+            return cu.pin_memory().to(q.device, non_blocking=True), max(lens)
 
         cu, max_len = self._cached("flash_cu", build)
         window = (info.window - 1, 0) if kind == "L" else (-1, -1)

@@ -5,7 +5,7 @@ M = 5 modalities, L_moe MoE layers.
 
     x = embed(tokens, patches)                              # patches replace <|patch|> embeddings
     for each layer: x += attn(rmsnorm(x)); x += ffn(rmsnorm(x))   # ffn: dense SwiGLU or MoE
-    loss = CE(head(rmsnorm(x)) in fp32) + z-loss (+ aux, router z)
+    loss = CE(head(rmsnorm(x)), lse in fp32) + z-loss (+ aux, router z)
 
 The model runs on one device; sharding, compile and activation checkpointing are applied from
 outside to `model.layers` (DESIGN 3.1).
@@ -20,12 +20,13 @@ import torch
 import torch.nn as nn
 
 from omniloom.kernels.ops import get_ops
+from omniloom.kernels.reference import head_dtype, head_logits
 
 from . import accounting
 from .attention import AttnContext, Attention, check_backend
 from .config import ModelConfig
 from .embeddings import MultimodalEmbedding, mrope_angles
-from .masks import build_mask_info
+from .masks import BatchLayout, batch_layout, build_mask_info
 from .moe import NUM_MODALITIES, MoE, SwiGLUMLP
 
 IGNORE_INDEX = -100
@@ -121,8 +122,13 @@ class OmniModel(nn.Module):
         patch_kind: torch.Tensor,
         *,
         return_logits: bool = False,
+        layout: BatchLayout | None = None,
     ) -> ModelOutput:
-        """Loss and metrics for one PackedBatch (fields as in DESIGN 2.3)."""
+        """Loss and metrics for one PackedBatch (fields as in DESIGN 2.3).
+
+        `layout`: `self.batch_layout(doc_ids, block_ids)` computed on the CPU copies before the
+        batch moves to the device; with it (and the flex backend, or sdpa/blocksparse), forward
+        and backward make no host sync. Without it, the attention derives it from the device."""
         cfg = self.cfg
         B, S = input_ids.shape
         for name, t in (("labels", labels), ("doc_ids", doc_ids), ("block_ids", block_ids), ("modality", modality)):
@@ -133,7 +139,7 @@ class OmniModel(nn.Module):
         x_BSD = self.embed(input_ids, patches, patch_kind)
         cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
         info = build_mask_info(doc_ids, block_ids, block_size=cfg.attention.block_size, window=cfg.attention.window)
-        ctx = AttnContext(info, cfg.attention.backend, cfg.attention.num_selected_blocks, x_BSD.device)
+        ctx = AttnContext(info, cfg.attention.backend, cfg.attention.num_selected_blocks, x_BSD.device, layout)
         real_BS = input_ids != cfg.pad_token_id if cfg.pad_token_id >= 0 else None
         moe_stats = []
         for layer in self.layers:
@@ -143,7 +149,7 @@ class OmniModel(nn.Module):
         output_rms = x_BSD.detach().float().pow(2).mean().sqrt()
         h_TD = self.ops.rms_norm(x_BSD, self.norm, cfg.norm_eps).reshape(B * S, -1)
         labels_T = labels.reshape(-1)
-        # head and loss in fp32 inside the kernel; [T, V] logits are never held whole
+        # head GEMM in the compute dtype, log-sum-exp / CE / z in fp32; [T, V] logits never held whole
         ce_T, zsq_T = self.ops.linear_cross_entropy(h_TD, self.head.weight, labels_T, ignore_index=IGNORE_INDEX)
         valid_T = labels_T != IGNORE_INDEX
         n_valid = valid_T.sum().clamp(min=1)
@@ -157,12 +163,14 @@ class OmniModel(nn.Module):
         router_z_loss = cfg.moe.router_z_loss_coef * rz / n_moe
         loss = ce_loss + z_loss + aux_loss + router_z_loss
 
-        # the modality of a loss term is the target's: token i predicts token i + 1
+        # the modality of a loss term is the target's: token i predicts token i + 1. Sums by
+        # scatter-add into fixed-size buffers: no boolean indexing, no host sync (ce is 0 where
+        # there is no label).
         target_mod_T = torch.roll(modality, -1, dims=1).reshape(-1).long()
-        mod_valid = target_mod_T[valid_T]
         ce_by_mod = torch.zeros(NUM_MODALITIES, dtype=torch.float32, device=ce_T.device)
-        ce_by_mod = ce_by_mod.index_add(0, mod_valid, ce_T.detach()[valid_T].float())
-        tokens_by_mod = torch.bincount(mod_valid, minlength=NUM_MODALITIES)
+        ce_by_mod = ce_by_mod.index_add(0, target_mod_T, ce_T.detach().float())
+        tokens_by_mod = torch.zeros(NUM_MODALITIES, dtype=torch.int64, device=ce_T.device)
+        tokens_by_mod = tokens_by_mod.index_add(0, target_mod_T, valid_T.long())
         E = max(cfg.moe.num_experts, 1)
         expert_counts = (
             torch.stack([s["counts_ME"] for s in moe_stats])
@@ -171,12 +179,21 @@ class OmniModel(nn.Module):
         )
         logits = None
         if return_logits:
-            logits = (h_TD.float() @ self.head.weight.float().t()).view(B, S, -1)
+            # the head in the compute dtype, logits in fp32 (as the loss reads them)
+            w = self.head.weight
+            dt = head_dtype(h_TD, w)
+            logits = head_logits(h_TD.to(dt), w.to(dt)).view(B, S, -1)
         return ModelOutput(
             loss=loss, ce_loss=ce_loss, z_loss=z_loss, aux_loss=aux_loss, router_z_loss=router_z_loss,
             ce_sum_by_modality=ce_by_mod, tokens_by_modality=tokens_by_mod, expert_counts=expert_counts,
             output_rms=output_rms, logits=logits,
         )
+
+    def batch_layout(self, doc_ids: torch.Tensor, block_ids: torch.Tensor) -> BatchLayout:
+        """The host-side BatchLayout of a batch for this model's attention settings: call it on
+        the CPU tensors (before the host-to-device copy) and pass it to forward."""
+        a = self.cfg.attention
+        return batch_layout(doc_ids, block_ids, block_size=a.block_size, window=a.window, num_selected=a.num_selected_blocks)
 
     @torch.no_grad()
     def update_router_biases(self, expert_counts: torch.Tensor) -> None:

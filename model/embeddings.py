@@ -24,34 +24,37 @@ class MultimodalEmbedding(nn.Module):
         self.patch_token_id = patch_token_id
 
     def forward(self, input_ids_BS: torch.Tensor, patches_PDp: torch.Tensor, patch_kind_P: torch.Tensor) -> torch.Tensor:
+        """No host sync and no data-dependent shape: every patch row is embedded by both
+        projections and the one of its kind is kept (the other costs a small GEMM and keeps both
+        weights in every step's graph), and the k-th `<|patch|>` position takes row k through a
+        cumulative count. Batch checks that need the data are device asserts."""
         x_BSD = self.tok(input_ids_BS)
         P = patches_PDp.shape[0] if patches_PDp is not None else 0
         if self.patch_token_id < 0:
             if P:
                 raise ValueError("the batch has patches but model.patch_token_id is -1: set it from tokenizer.json")
             return x_BSD
-        where_P = (input_ids_BS.reshape(-1) == self.patch_token_id).nonzero().squeeze(1)  # row-major, as PackedBatch
-        if where_P.numel() != P:
-            raise ValueError(f"batch has {where_P.numel()} <|patch|> tokens but {P} patch rows; PackedBatch must give one row per <|patch|>")
+        is_patch_T = input_ids_BS.reshape(-1) == self.patch_token_id  # row-major, as PackedBatch
+        torch._assert_async(
+            is_patch_T.sum() == P, "PackedBatch must give one patch row per <|patch|> token: the count of patch rows differs"
+        )
         if P == 0:
             return x_BSD
+        need = max(self.patch.in_features, self.tubelet.in_features)
+        if patches_PDp.shape[1] < need:
+            raise ValueError(
+                f"patch rows have {patches_PDp.shape[1]} values but need {need} (max of image {self.patch.in_features}, "
+                f"video {self.tubelet.in_features}): check model.patch_dim / model.tubelet_dim against the tokenizer settings"
+            )
         kind_P = patch_kind_P.to(torch.long)
-        emb_PD = torch.zeros(P, x_BSD.shape[-1], dtype=x_BSD.dtype, device=x_BSD.device)
-        for code, proj in ((IMAGE, self.patch), (VIDEO, self.tubelet)):
-            rows = (kind_P == code).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
-            if patches_PDp.shape[1] < proj.in_features:
-                raise ValueError(
-                    f"patch rows have {patches_PDp.shape[1]} values but {'image' if code == IMAGE else 'video'} "
-                    f"patches need {proj.in_features}: check model.patch_dim / model.tubelet_dim against tokenizer.json"
-                )
-            vec = patches_PDp.index_select(0, rows)[:, : proj.in_features].to(proj.weight.dtype)
-            emb_PD = emb_PD.index_copy(0, rows, proj(vec).to(emb_PD.dtype))
-        unknown = ~((kind_P == IMAGE) | (kind_P == VIDEO))
-        if bool(unknown.any()):
-            raise ValueError(f"patch_kind must be {IMAGE} (image) or {VIDEO} (video); got {sorted(set(kind_P[unknown].tolist()))}")
-        flat_TD = x_BSD.reshape(-1, x_BSD.shape[-1]).index_copy(0, where_P, emb_PD)
+        torch._assert_async(((kind_P == IMAGE) | (kind_P == VIDEO)).all(), f"patch_kind must be {IMAGE} (image) or {VIDEO} (video)")
+        dt = self.patch.weight.dtype
+        img_PD = self.patch(patches_PDp[:, : self.patch.in_features].to(dt))
+        vid_PD = self.tubelet(patches_PDp[:, : self.tubelet.in_features].to(dt))
+        emb_PD = torch.where((kind_P == IMAGE).unsqueeze(1), img_PD, vid_PD).to(x_BSD.dtype)
+        row_T = (is_patch_T.cumsum(0) - 1).clamp(min=0)
+        flat_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        flat_TD = torch.where(is_patch_T.unsqueeze(1), emb_PD.index_select(0, row_T), flat_TD)
         return flat_TD.view_as(x_BSD)
 
 
@@ -65,7 +68,10 @@ def mrope_angles(positions_B3S: torch.Tensor, *, head_dim: int, sections: tuple[
     d = head_dim // 2
     dev = positions_B3S.device
     inv_freq_d = base ** (-torch.arange(d, device=dev, dtype=torch.float64) * 2.0 / head_dim)
-    axis_d = torch.repeat_interleave(torch.arange(3, device=dev), torch.tensor([s // 2 for s in sections], device=dev))
+    # frequency i follows axis 0, 1 or 2 by the section it falls in (arithmetic on the device:
+    # no host-to-device copy, no repeat_interleave of a data-sized result)
+    i_d = torch.arange(d, device=dev)
+    axis_d = (i_d >= sections[0] // 2).long() + (i_d >= (sections[0] + sections[1]) // 2).long()
     pos_BSd = positions_B3S.to(torch.float64).index_select(1, axis_d).transpose(1, 2)
     ang = pos_BSd * inv_freq_d  # float64: positions up to 1e6 keep their phase exactly
     return ang.cos().float(), ang.sin().float()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PAD_DOC = -(2**40)  # doc id of internal padding tokens: equal to no real document
@@ -50,6 +51,7 @@ class MaskInfo:
 
     @property
     def has_visual(self) -> bool:
+        """A host read (a device sync on GPU): only the flash backend's per-batch fallback uses it."""
         return bool((self.vis_BS >= 0).any())
 
 
@@ -119,10 +121,8 @@ def dense_mask(info: MaskInfo, kind: str, sel_BKSn: torch.Tensor | None = None) 
     return m
 
 
-def block_ranges(info: MaskInfo, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key-block slots for L and G layers: every query block gets the contiguous run of key blocks
-    that any of its tokens may see (its documents' past within the window, plus its visual blocks'
-    future). Returns (kv_idx [B, 1, Q, N] long, valid [B, 1, Q, N] bool), N = the longest run."""
+def _block_lo_hi(info: MaskInfo, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query block, the first and last key block any of its tokens may see: [B, Q] each."""
     bs, Sp = info.block_size, info.padded_len
     B = info.doc_BS.shape[0]
     idx = torch.arange(Sp, device=info.doc_BS.device).expand(B, Sp)
@@ -130,12 +130,71 @@ def block_ranges(info: MaskInfo, kind: str) -> tuple[torch.Tensor, torch.Tensor]
     if kind == "L":
         lo = torch.maximum(lo, idx - info.window + 1)
         hi = torch.minimum(hi, idx + info.window - 1)
-    lo_Q = lo.view(B, -1, bs).min(-1).values // bs
-    hi_Q = hi.view(B, -1, bs).max(-1).values // bs
-    n = int((hi_Q - lo_Q).max()) + 1
-    kv_idx = lo_Q.unsqueeze(-1) + torch.arange(n, device=lo.device)
+    return lo.view(B, -1, bs).min(-1).values // bs, hi.view(B, -1, bs).max(-1).values // bs
+
+
+def block_ranges(info: MaskInfo, kind: str, num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key-block slots for L and G layers: every query block gets the contiguous run of key blocks
+    that any of its tokens may see (its documents' past within the window, plus its visual blocks'
+    future). Returns (kv_idx [B, 1, Q, N] long, valid [B, 1, Q, N] bool), N = the longest run:
+    `num_slots` when the caller knows it from the host (BatchLayout; no device read), else read
+    from the data."""
+    lo_Q, hi_Q = _block_lo_hi(info, kind)
+    n = num_slots if num_slots is not None else int((hi_Q - lo_Q).max()) + 1
+    kv_idx = lo_Q.unsqueeze(-1) + torch.arange(n, device=lo_Q.device)
     valid = kv_idx <= hi_Q.unsqueeze(-1)
     return kv_idx.clamp(max=info.num_blocks - 1).unsqueeze(1), valid.unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Host-side facts of one batch's attention structure, computed from the CPU copies of
+    doc_ids / block_ids before the batch moves to the device (`batch_layout`), so that attention
+    can size its work with no device read in forward or backward.
+
+    segments: per row, the (start, end, has_visual) token range of every document, in order.
+    slots: key-block slots per query block that blocksparse gathers for each kind (L, G exact;
+    B an upper bound of the union of the block choices, see `batch_layout`)."""
+
+    seq_len: int
+    segments: tuple[tuple[tuple[int, int, bool], ...], ...]
+    slots: dict
+
+
+def batch_layout(
+    doc_ids_BS: torch.Tensor, block_ids_BS: torch.Tensor, *, block_size: int, window: int, num_selected: int
+) -> BatchLayout:
+    """BatchLayout of a batch from its doc_ids / block_ids (read on the host: pass the CPU copies,
+    as the trainer does before the host-to-device copy; a CUDA tensor is copied back, a sync)."""
+    doc, blk = doc_ids_BS.detach().cpu(), block_ids_BS.detach().cpu()
+    info = build_mask_info(doc, blk, block_size=block_size, window=window)
+    B, S = doc.shape
+    bs, Sp, nb = block_size, info.padded_len, info.num_blocks
+    slots = {}
+    for kind in ("L", "G"):
+        lo_Q, hi_Q = _block_lo_hi(info, kind)
+        slots[kind] = int((hi_Q - lo_Q).max()) + 1
+    # B: a query block's union of choices is at most its own block, plus per document run in it
+    # (the first block of the document + num_selected - 1 chosen blocks), plus the blocks of
+    # each visual block in it
+    idx = torch.arange(Sp)
+    new_doc = torch.ones(B, Sp, dtype=torch.bool)
+    new_doc[:, 1:] = (info.doc_BS[:, 1:] != info.doc_BS[:, :-1]) | (idx[1:] % bs == 0)
+    is_vis = info.vis_BS >= 0
+    new_vis = is_vis & (info.vis_start_BS == idx)  # a visual run's first token ...
+    new_vis |= is_vis & (idx % bs == 0)  # ... or its first token in this block
+    span = torch.where(new_vis, (info.vis_end_BS - 1) // bs - info.vis_start_BS // bs + 1, torch.zeros_like(idx))
+    docs_Q = new_doc.view(B, nb, bs).sum(-1)
+    vis_Q = span.view(B, nb, bs).sum(-1)
+    slots["B"] = int(min(nb, int((1 + docs_Q * num_selected + vis_Q).max())))
+    d = doc.numpy()
+    vis_cum = np.concatenate([np.zeros((B, 1), np.int64), np.cumsum(blk.numpy() >= 0, axis=1)], axis=1)
+    segments = []
+    for b in range(B):
+        starts = [0, *(np.flatnonzero(d[b, 1:] != d[b, :-1]) + 1).tolist()] if S else []
+        ends = starts[1:] + [S]
+        segments.append(tuple((s0, e0, bool(vis_cum[b, e0] > vis_cum[b, s0])) for s0, e0 in zip(starts, ends)))
+    return BatchLayout(seq_len=S, segments=tuple(segments), slots=slots)
 
 
 @torch.no_grad()
@@ -180,14 +239,19 @@ def select_blocks(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, nu
     return sel
 
 
-def selected_block_slots(info: MaskInfo, sel_BKSn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def selected_block_slots(info: MaskInfo, sel_BKSn: torch.Tensor, num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Key-block slots for a B layer: the union of its tokens' choices per query block,
-    (kv_idx [B, K, Q, N], valid [B, K, Q, N]), in ascending block order."""
+    (kv_idx [B, K, Q, N], valid [B, K, Q, N]), in ascending block order. N is `num_slots` (the
+    host-known bound of BatchLayout, checked by a device assert) or read from the data."""
     B, K, Sp, nb = sel_BKSn.shape
     bs = info.block_size
     any_BKQn = sel_BKSn.view(B, K, Sp // bs, bs, nb).any(3)
     counts = any_BKQn.sum(-1)
-    n = int(counts.max())
+    if num_slots is None:
+        n = int(counts.max())
+    else:
+        n = min(num_slots, nb)
+        torch._assert_async((counts <= n).all(), "B-layer block choice exceeds the BatchLayout bound (internal error)")
     # stable sort puts the selected blocks first, in ascending order
     order = torch.argsort((~any_BKQn).to(torch.int8), dim=-1, stable=True)[..., :n]
     valid = torch.arange(n, device=sel_BKSn.device) < counts.unsqueeze(-1)

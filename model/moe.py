@@ -100,15 +100,20 @@ class MoE(nn.Module):
             )
         self._use_grouped: dict[str, bool] = {}  # per device type, decided on first use
 
-    def use_grouped(self, device: torch.device) -> bool:
-        """Grouped matmul or per-expert loop; decided once per device from its capabilities."""
+    def use_grouped(self, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+        """Grouped matmul or per-expert loop; decided once per (device, dtype) from what torch's
+        grouped_mm serves: fp32/bf16/fp16 only (a float64 model, e.g. a parity check, loops)."""
         if self.dispatch_mode == "loop":
             return False
-        key = str(device)
+        key = f"{device}:{dtype}"
         if key not in self._use_grouped:
             ok = grouped_mm_supported(device, self.w_gate.shape[1], (self.w_gate.shape[2],))
+            ok = ok and dtype in (torch.float32, torch.bfloat16, torch.float16)
             if self.dispatch_mode == "grouped" and not ok:
-                raise ValueError(f"model.moe.dispatch=grouped is not supported on {device}; use dispatch=auto or loop")
+                raise ValueError(
+                    f"model.moe.dispatch=grouped is not supported on {device} in {dtype} (grouped_mm takes fp32/bf16/fp16); "
+                    "use dispatch=auto or loop"
+                )
             # on CUDA one CUTLASS kernel with no host sync; on CPU fewer ops than the loop (3x faster
             # on the tiny test model, 0.75-0.93x at dim 128 x 16 experts: see omniloom bench model)
             self._use_grouped[key] = ok
@@ -166,29 +171,31 @@ class MoE(nn.Module):
         modality_T = modality_BS.reshape(-1).long()
         topk_idx_TK, w_TK, logits_TE, probs_TE = self.route(x_TD, modality_T)
         x_ND, perm_N, counts_E = self.ops.moe_permute(x_TD, topk_idx_TK, E)
-        if self.use_grouped(x_TD.device):
+        if self.use_grouped(x_TD.device, self._compute_dtype(x_ND)):
             y_ND = self.experts_grouped(x_ND, counts_E)
         else:
             y_ND = self.experts_loop(x_ND, counts_E)
         y_TD = self.ops.moe_unpermute(y_ND, perm_N, w_TK).to(x_TD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        pair_TK = modality_T.unsqueeze(1) * E + topk_idx_TK
-        real_T = None if real_BS is None else real_BS.reshape(-1)
-        if real_T is not None:
-            pair_TK, modality_T = pair_TK[real_T], modality_T[real_T]
-            logits_TE, probs_TE = logits_TE[real_T], probs_TE[real_T]
-        counts_ME = torch.bincount(pair_TK.reshape(-1), minlength=NUM_MODALITIES * E).view(NUM_MODALITIES, E)
+        # statistics over real tokens by weighting, not boolean indexing: fixed shapes, no host sync
+        T = x_TD.shape[0]
+        real_T = torch.ones(T, dtype=torch.bool, device=x_TD.device) if real_BS is None else real_BS.reshape(-1)
+        pair_N = (modality_T.unsqueeze(1) * E + topk_idx_TK).reshape(-1)
+        real_N = real_T.long().unsqueeze(1).expand(T, K).reshape(-1)
+        counts_ME = torch.zeros(NUM_MODALITIES * E, dtype=torch.int64, device=x_TD.device).index_add_(0, pair_N, real_N)
+        counts_ME = counts_ME.view(NUM_MODALITIES, E)
         stats = {"counts_ME": counts_ME.detach()}
-        T = max(int(pair_TK.shape[0]), 1)
+        real_f_T = real_T.float()
+        n_real = real_f_T.sum().clamp(min=1.0)
         if self.cfg.aux_loss_coef > 0:
             # Switch-style balance: E * sum_e (share of routed rows to e) * (mean gate prob of e)
-            frac_E = counts_ME.sum(0).float() / (T * K)
+            frac_E = counts_ME.sum(0).float() / (n_real * K)
             p_TE = probs_TE / (probs_TE.sum(-1, keepdim=True) + 1e-20)
-            stats["aux_loss"] = E * (frac_E * p_TE.sum(0) / T).sum()
+            stats["aux_loss"] = E * (frac_E * (p_TE * real_f_T.unsqueeze(1)).sum(0) / n_real).sum()
         if self.cfg.router_z_loss_coef > 0:
             allowed_logits = logits_TE.masked_fill(~self.allowed_ME[modality_T], float("-inf"))
-            stats["router_z_loss"] = torch.logsumexp(allowed_logits, dim=-1).pow(2).sum() / T
+            stats["router_z_loss"] = (torch.logsumexp(allowed_logits, dim=-1).pow(2) * real_f_T).sum() / n_real
         return y_TD.view(B, S, D), stats
 
     @torch.no_grad()

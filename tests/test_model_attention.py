@@ -20,6 +20,16 @@ def tiny_cfg(**att) -> ModelConfig:
     )
 
 
+def dense_reference(q, k, v, info, kind, sel=None):
+    """The rule as one dense [B, 1|K, S, S] mask with K/V repeated per group: the plain reference
+    every backend is checked against (the backends themselves run per document or per block)."""
+    G = q.shape[1] // k.shape[1]
+    mask = dense_mask(info, kind, sel).repeat_interleave(G, dim=1) if sel is not None else dense_mask(info, kind)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), attn_mask=mask
+    )
+
+
 def batch_fields(seq_len=90, seed=0):
     batch = random_packed_batch(tiny_cfg(), batch_size=2, seq_len=seq_len, docs_per_row=3, seed=seed)
     return batch["doc_ids"], batch["block_ids"]
@@ -36,23 +46,33 @@ def test_blocksparse_matches_sdpa_forward_and_backward(kind):
     k = torch.randn(B, 2, S, 16, generator=g, requires_grad=True)
     v = torch.randn(B, 2, S, 16, generator=g, requires_grad=True)
     w = torch.randn(B, 4, S, 16, generator=g)
-    results = []
+    sel = select_blocks(info, q, k, 3) if kind == "B" else None
+    ref = dense_reference(q, k, v, info, kind, sel)
+    results = [(ref, *torch.autograd.grad((ref * w).sum(), (q, k, v)))]
     for backend in ("sdpa", "blocksparse"):
         out = AttnContext(info, backend, 3, q.device).attend(q, k, v, kind)
         results.append((out, *torch.autograd.grad((out * w).sum(), (q, k, v))))
-    for ref, got in zip(*results):
-        torch.testing.assert_close(got, ref)
+    for got_sdpa, got_bs, want in zip(results[1], results[2], results[0]):
+        torch.testing.assert_close(got_sdpa, want)
+        torch.testing.assert_close(got_bs, want)
 
 
-def test_blocksparse_global_layer_over_one_long_document_runs_dense_and_matches():
-    doc = torch.zeros(1, 64, dtype=torch.int32)
-    blk = torch.full((1, 64), -1, dtype=torch.int32)
+def test_blocksparse_global_layer_over_long_documents_runs_per_document_and_matches():
+    # row 0: one long document with an image; row 1: a text document, then a second one
+    doc = torch.zeros(2, 64, dtype=torch.int32)
+    doc[1, 40:] = 1
+    blk = torch.full((2, 64), -1, dtype=torch.int32)
     blk[0, 20:30] = 0
     info = build_mask_info(doc, blk, block_size=8, window=12)
     ctx = AttnContext(info, "blocksparse", 3, torch.device("cpu"))
-    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
-    torch.testing.assert_close(ctx.attend(q, k, v, "G"), AttnContext(info, "sdpa", 3, q.device).attend(q, k, v, "G"))
-    assert ctx.cache["gatheredG"][0] is None  # dense plan
+    assert [[(s0, e0) for s0, e0, _ in row] for row in ctx.layout.segments] == [[(0, 64)], [(0, 40), (40, 64)]]
+    q = torch.randn(2, 4, 64, 8, requires_grad=True)
+    k, v = torch.randn(2, 2, 64, 8, requires_grad=True), torch.randn(2, 2, 64, 8, requires_grad=True)
+    out, ref = ctx.attend(q, k, v, "G"), dense_reference(q, k, v, info, "G")
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), torch.autograd.grad(ref.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got, want)
+    assert "gatheredG" not in ctx.cache and set(k for k in ctx.cache if k.startswith("seg")) == {"segG:0:0"}  # only the image document needs a mask
     ctx.attend(q, k, v, "L")
     assert ctx.cache["gatheredL"][0] is not None  # window layers gather
 

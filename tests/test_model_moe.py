@@ -150,3 +150,15 @@ def test_model_leaves_pad_tokens_out_of_expert_counts():
     assert num_pad >= 14
     out = OmniModel(cfg)(**batch)
     assert int(out.expert_counts.sum()) == (batch["input_ids"].numel() - num_pad) * 2  # one MoE layer, top-2
+
+
+def test_auto_dispatch_loops_for_float64_on_cpu():
+    # grouped_mm serves fp32/bf16/fp16 only: a float64 model (parity checks) must loop, not crash
+    layer = make_moe("auto").double()
+    x = torch.randn(1, 12, 32, dtype=torch.float64, requires_grad=True)
+    y, _ = layer(x, torch.zeros(1, 12, dtype=torch.long))
+    y.square().sum().backward()
+    assert y.dtype == torch.float64 and x.grad is not None
+    assert not layer.use_grouped(torch.device("cpu"), torch.float64) and layer.use_grouped(torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="fp32/bf16/fp16"):
+        make_moe("grouped").double()(x, torch.zeros(1, 12, dtype=torch.long))
