@@ -23,28 +23,35 @@ _SYNTHETIC_VOCAB, _SYNTHETIC_PATCH_ID = 1024, 8
 
 class SyntheticLoader:
     """Random PackedBatch-shaped batches (text, code, an image and a video block per row) from
-    omniloom.model.synthetic, for benchmarking without shards. Deterministic per batch index."""
+    omniloom.model.synthetic, for benchmarking without shards. Deterministic per batch index.
 
-    def __init__(self, cfg, rank: int):
-        self.cfg, self.rank, self.index = cfg, rank, 0
+    The first `pool` batches are built ahead of time (pinned when CUDA is there) and then cycled:
+    building a batch on the CPU inside the timed step cost 400-500 ms of a 1 s H200 step, which
+    measured the batch builder, not training."""
 
-    def __iter__(self):
+    def __init__(self, cfg, rank: int, pool: int = 8):
         from omniloom.data.batch import PackedBatch
         from omniloom.model.synthetic import random_packed_batch
 
+        self.cfg, self.rank, self.index = cfg, rank, 0
+        self.pool = []
+        for i in range(pool):
+            fields = random_packed_batch(cfg.model, batch_size=cfg.data.batch_size, seq_len=cfg.data.seq_len,
+                                         docs_per_row=4, seed=cfg.data.seed * 100_003 + rank * 10_007 + i)
+            batch = PackedBatch(**fields)
+            self.pool.append(batch.pin_memory() if torch.cuda.is_available() else batch)
+
+    def __iter__(self):
         while True:
-            fields = random_packed_batch(self.cfg.model, batch_size=self.cfg.data.batch_size,
-                                         seq_len=self.cfg.data.seq_len, docs_per_row=4,
-                                         seed=self.cfg.data.seed * 100_003 + self.rank * 10_007 + self.index)
+            batch = self.pool[self.index % len(self.pool)]
             self.index += 1
-            yield PackedBatch(**fields)
+            yield batch
 
     def state_dict(self) -> dict:
         return {"index": self.index}
 
     def load_state_dict(self, state: dict) -> None:
         self.index = int(state["index"])
-
 
 def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: int = 2) -> str:
     """Time `steps` training steps of `preset` after `warmup` and return the printable report."""
@@ -76,9 +83,9 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
             trainer.run_step()
         # The reference, forward only without grad on one held batch, is timed between the
         # training steps so both see the same machine load (shared CPUs vary a lot minute to minute).
-        ref_batch = trainer._next_batch()
+        ref_batch, ref_layout, _ = trainer._next_batch()
         with torch.no_grad():
-            B.forward(trainer.model, ref_batch)
+            B.forward(trainer.model, ref_batch, layout=ref_layout)
         trainer.timer.pop()
         tokens, wall, fwd_only = trainer.tokens_seen, 0.0, 0.0
         for _ in range(steps):
@@ -87,7 +94,7 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
             wall += time.perf_counter() - t0
             t1 = time.perf_counter()
             with torch.no_grad():
-                B.forward(trainer.model, ref_batch)
+                B.forward(trainer.model, ref_batch, layout=ref_layout)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             fwd_only += time.perf_counter() - t1

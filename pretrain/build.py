@@ -91,9 +91,11 @@ def build_loader(cfg, split: str, rank: int, world_size: int) -> Loader | None:
                          pin_memory=torch.cuda.is_available())
 
 
-def forward(model: torch.nn.Module, batch) -> Any:
-    """Call the model on a PackedBatch's fields (keyword arguments, DESIGN 2.3)."""
-    return model(**{name: getattr(batch, name) for name in BATCH_FIELDS})
+def forward(model: torch.nn.Module, batch, layout=None) -> Any:
+    """Call the model on a PackedBatch's fields (keyword arguments, DESIGN 2.3), with the
+    host-side attention layout when there is one (OmniModel.batch_layout)."""
+    fields = {name: getattr(batch, name) for name in BATCH_FIELDS}
+    return model(**fields) if layout is None else model(**fields, layout=layout)
 
 
 def _first(out, names: tuple[str, ...]):

@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "omniloom.pretrain.config_cli",
     "omniloom.model.cli",
     "omniloom.kernels.cli",
+    "omniloom.pretrain.bench_hf",
 )
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)

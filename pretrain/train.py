@@ -43,6 +43,7 @@ MEAN_KEYS = ("loss", "ce_loss", "z_loss", "aux_loss", "router_z_loss", "out_norm
 SUM_KEYS = ("stop", "tokens")
 _NSCALAR = len(MEAN_KEYS) + len(SUM_KEYS)
 _STOP = len(MEAN_KEYS) + SUM_KEYS.index("stop")
+_TOKENS = len(MEAN_KEYS) + SUM_KEYS.index("tokens")
 
 
 @dataclasses.dataclass
@@ -214,18 +215,21 @@ class Trainer:
         accum, world = cfg.train.grad_accum_steps, acc.num_processes
         self.model.train()
         with self.timer.phase("data"):
-            batches = [self._next_batch() for _ in range(accum)]
-            n_local = [B.num_targets(b) for b in batches]
-            n_global = float(acc.reduce(torch.tensor(float(sum(n_local)), device=self.device), reduction="sum"))
+            staged = [self._next_batch() for _ in range(accum)]
+            n_local = [n for _, _, n in staged]  # counted on the host copy: no device read
+            if world > 1:
+                n_global = float(acc.reduce(torch.tensor(float(sum(n_local)), device=self.device), reduction="sum"))
+            else:
+                n_global = float(sum(n_local))
         acc_vec = torch.zeros(_NSCALAR + 2 * B.NUM_MODALITIES, device=self.device)
         counts_LME = None
-        for micro, batch in enumerate(batches):
+        for micro, (batch, layout, _) in enumerate(staged):
             w_tok = n_local[micro] / n_global if n_global > 0 else 0.0  # this micro-batch's share of the labels
             # Only the last micro-batch all-reduces gradients.
             sync = contextlib.nullcontext() if micro == accum - 1 else acc.no_sync(self.model)
             with sync:
                 with self.timer.phase("forward"):
-                    out = B.forward(self.model, batch)
+                    out = B.forward(self.model, batch, layout=layout)
                     loss, st = B.read_output(out)
                     tok_loss, batch_loss = B.split_loss(out, loss)
                 with self.timer.phase("backward"):
@@ -235,8 +239,9 @@ class Trainer:
             per_batch = torch.stack([batch_loss.detach().float(), st.aux_loss, st.router_z_loss,
                                      st.out_norm]).to(self.device) / (accum * world)
             means = torch.stack([tok[0] + per_batch[0], tok[1], tok[2], per_batch[1], per_batch[2], per_batch[3]])
-            sums = torch.tensor([0.0, float(batch.input_ids.numel())], device=self.device)
-            acc_vec += torch.cat([means, sums, st.ce_sum_M.to(self.device), st.count_M.to(self.device)])
+            acc_vec[: len(MEAN_KEYS)] += means
+            acc_vec[_TOKENS] += float(batch.input_ids.numel())  # a scalar argument: no host-to-device copy
+            acc_vec[_NSCALAR:] += torch.cat([st.ce_sum_M.to(self.device), st.count_M.to(self.device)])
             if st.expert_counts_LME is not None:
                 counts_LME = st.expert_counts_LME if counts_LME is None else counts_LME + st.expert_counts_LME
         with self.timer.phase("optimizer"):
@@ -246,10 +251,23 @@ class Trainer:
             reduced = acc.reduce(acc_vec, reduction="sum")
             if counts_LME is not None:
                 counts_LME = acc.reduce(counts_LME.to(self.device), reduction="sum")
-        self._grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        return reduced, counts_LME
+        # the gradient norm travels with the step vector: one device-to-host read per step
+        norm = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(float("nan") if grad_norm is None else grad_norm)
+        return torch.cat([reduced, norm.detach().float().reshape(1).to(reduced.device)]), counts_LME
 
     def _next_batch(self):
+        """(batch on the device, its host-side attention layout or None, labelled tokens).
+        The layout and the label count are read from the host copy before the (non-blocking,
+        pinned) host-to-device copy, so the step itself never reads device memory for them."""
+        batch = self._next_host_batch()
+        model = self.acc.unwrap_model(self.model)
+        make_layout = getattr(model, "batch_layout", None)
+        layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
+        n = B.num_targets(batch)
+        on_device = batch.to(self.device, non_blocking=True) if self.device.type == "cuda" else batch.to(self.device)
+        return on_device, layout, n
+
+    def _next_host_batch(self):
         # Loading may draw from torch's global RNG (a DataLoader draws its base seed when its
         # workers start); forking keeps the training RNG stream independent of when that happens,
         # which differs between an uninterrupted and a resumed run.
@@ -261,14 +279,14 @@ class Trainer:
                 log.info("train data exhausted at step %d: starting another pass", self.step)
                 self.train_iter = iter(self.train_loader)
                 batch = next(self.train_iter)
-        return batch.to(self.device, non_blocking=True) if self.device.type == "cuda" else batch.to(self.device)
+        return batch
 
     def _unpack(self, vec: torch.Tensor) -> dict:
         v = vec.detach().double().cpu()
         m = B.NUM_MODALITIES
         out = {k: float(v[i]) for i, k in enumerate(MEAN_KEYS + SUM_KEYS)}
         out.update(ce_sum_M=v[_NSCALAR:_NSCALAR + m], count_M=v[_NSCALAR + m:_NSCALAR + 2 * m],
-                   grad_norm=self._grad_norm)
+                   grad_norm=float(v[_NSCALAR + 2 * m]))
         return out
 
     def _update_router_biases(self, counts_LME: torch.Tensor | None) -> None:
@@ -300,8 +318,9 @@ class Trainer:
         out["step_time_s"] = w.wall / n
         out["time/other_s"] = max(0.0, w.wall - phases) / n
         if w.counts_LME is not None:
-            out.update(expert_balance(w.counts_LME))
-            out["moe/counts_LME"] = w.counts_LME.tolist()  # raw loads for the report's heatmap (JSONL only)
+            counts = w.counts_LME.cpu()
+            out.update(expert_balance(counts))
+            out["moe/counts_LME"] = counts.tolist()  # raw loads for the report's heatmap (JSONL only)
         out.update(B.loader_metrics(self.train_loader))
         return out
 
@@ -340,7 +359,9 @@ class Trainer:
             for i, batch in enumerate(loader):
                 if i >= self.cfg.train.eval_steps:
                     break
-                _, st = B.read_output(B.forward(self.model, batch.to(self.device)))
+                model = self.acc.unwrap_model(self.model)
+                layout = model.batch_layout(batch.doc_ids, batch.block_ids) if hasattr(model, "batch_layout") else None
+                _, st = B.read_output(B.forward(self.model, batch.to(self.device), layout=layout))
                 # eval/loss weighs each batch by its labels (a token mean, as in training), not 1 per batch
                 n = st.count_M.sum().to(self.device)
                 vec += torch.cat([st.ce_sum_M.to(self.device), st.count_M.to(self.device),
@@ -373,8 +394,8 @@ class _Window:
             self.sums[k] += stats[k]
         self.ce_sum_M += stats["ce_sum_M"]
         self.count_M += stats["count_M"]
-        if counts_LME is not None:
-            c = counts_LME.detach().double().cpu()
+        if counts_LME is not None:  # summed on the device; read once, at the log line
+            c = counts_LME.detach().double()
             self.counts_LME = c if self.counts_LME is None else self.counts_LME + c
         for k, v in phases.items():
             self.phases[k] = self.phases.get(k, 0.0) + v

@@ -142,3 +142,52 @@ def test_best_fit_pads_less_than_sequential_on_mixed_documents():
     _, pad_bf = padding_best_fit(lengths, 1024, 64)
     _, pad_seq = padding_sequential(lengths, 1024)
     assert pad_bf / (sum(lengths) + pad_bf) < 0.05 < pad_seq / (sum(lengths) + pad_seq)
+
+
+def test_best_fit_buffer_holds_rows_worth_of_tokens_for_short_documents():
+    # 64 pieces of ~40 tokens are under one 4096 row: sized in pieces alone, the buffer shipped
+    # rows about 40% empty; it must hold at least two rows' worth of tokens
+    import random
+
+    from omniloom.data.packing import padding_best_fit
+
+    rng = random.Random(0)
+    lengths = [rng.randint(20, 60) for _ in range(20000)]
+    rows, pad = padding_best_fit(lengths, 4096, 64)
+    assert pad / (rows * 4096) < 0.05
+
+
+def test_best_fit_rows_follow_the_rule_oldest_first_then_longest_fitting_oldest_of_equals():
+    import random
+
+    from omniloom.data.packing import BestFitPacker
+
+    def piece(n, i):
+        return Piece(("d", i), 0, np.zeros(n, np.int64), np.zeros(n, np.uint8), np.zeros((3, n), np.int32))
+
+    rng = random.Random(1)
+    lengths = [rng.choice([rng.randint(1, 30), rng.randint(100, 200)]) for _ in range(400)]
+    packer = BestFitPacker(256, 8)
+    buf, it, got, want = [], iter(enumerate(lengths)), [], []
+    while True:
+        while packer.needs_more():
+            nxt = next(it, None)
+            if nxt is None:
+                break
+            i, n = nxt
+            packer.add(piece(n, i))
+            buf.append((n, i))
+        if not buf:
+            break
+        got.append([p.ref[1] for p in packer.pop_row()])
+        row, remaining = [buf.pop(0)], 256  # the rule, by plain linear scans
+        remaining -= row[0][0]
+        while True:
+            fits = [j for j, (n, _) in enumerate(buf) if n <= remaining]
+            if not fits:
+                break
+            j = max(fits, key=lambda j: (buf[j][0], -j))
+            remaining -= buf[j][0]
+            row.append(buf.pop(j))
+        want.append([i for _, i in row])
+    assert got == want and len(packer) == 0
