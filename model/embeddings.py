@@ -39,7 +39,12 @@ class MultimodalEmbedding(nn.Module):
             is_patch_T.sum() == P, "PackedBatch must give one patch row per <|patch|> token: the count of patch rows differs"
         )
         if P == 0:
-            return x_BSD
+            # no patches in this batch: the two projections still join the graph (empty GEMMs, an
+            # exact zero), so every parameter gets a gradient each step and DDP needs no
+            # find_unused_parameters search
+            idle = self.patch(x_BSD.new_zeros(0, self.patch.in_features)).sum()
+            idle = idle + self.tubelet(x_BSD.new_zeros(0, self.tubelet.in_features)).sum()
+            return x_BSD + idle.to(x_BSD.dtype)
         need = max(self.patch.in_features, self.tubelet.in_features)
         if patches_PDp.shape[1] < need:
             raise ValueError(

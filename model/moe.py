@@ -141,10 +141,11 @@ class MoE(nn.Module):
         dt = self._compute_dtype(x_ND)
         outs = []
         for e, x in enumerate(torch.split(x_ND.to(dt), counts_E.tolist())):
-            if x.shape[0]:
-                h = self.ops.swiglu(x @ self.w_gate[e].to(dt), x @ self.w_up[e].to(dt))
-                outs.append(h @ self.w_down[e].to(dt))
-        return torch.cat(outs) if outs else x_ND.new_zeros(0, x_ND.shape[1])
+            # an expert with no rows still runs (empty GEMMs): every weight gets a (zero)
+            # gradient each step, as with grouped dispatch, so DDP needs no unused-parameter search
+            h = self.ops.swiglu(x @ self.w_gate[e].to(dt), x @ self.w_up[e].to(dt))
+            outs.append(h @ self.w_down[e].to(dt))
+        return torch.cat(outs)
 
     @staticmethod
     def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -45,9 +45,10 @@ class TrainConfig:
     eval_steps: int = 10
     max_bad_steps: int = 5  # non-finite loss/grad-norm steps in a row before the run stops
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    # DDP: a batch without video (or images) leaves that patch embedding without a gradient, which
-    # plain DDP treats as an error; turn off only for models whose every parameter is always used.
-    find_unused_parameters: bool = True
+    # DDP's per-step search for parameters without a gradient. OmniModel puts every parameter in
+    # every step's graph (idle patch/tubelet projections and experts run as empty GEMMs), so it is
+    # off; turn it on for a custom model that leaves parameters out of some steps.
+    find_unused_parameters: bool = False
 
 
 @dataclass(kw_only=True)

@@ -29,8 +29,9 @@ def tok(tmp_path_factory):
     return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def tiny_model(tok, backend="blocksparse", pattern="LBG", modality_groups=False, seed=0):
+def tiny_model(tok, backend="blocksparse", pattern="LBG", modality_groups=False, seed=0, kernels="auto"):
     cfg = ModelConfig(
+        kernels=kernels,
         dim=32, num_layers=len(pattern), num_heads=4, num_kv_heads=2, vocab_size=tok.vocab_size, patch_token_id=tok.patch_id,
         rope_sections=(2, 2, 4), patch_dim=tok.patch_dim, tubelet_dim=tok.tubelet_dim,
         attention=AttentionConfig(backend=backend, pattern=pattern, window=WINDOW, block_size=BLOCK, num_selected_blocks=2),
@@ -140,7 +141,8 @@ def test_generate_cli_on_an_export(tok, tmp_path, capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flex", "sdpa"])
 def test_cache_parity_on_cuda_with_triton_kernels(tok, image_prompt, backend):
-    model = tiny_model(tok, backend, pattern="LBGB").cuda()
+    # kernels="auto" would pick Triton per CUDA tensor but names itself "auto": ask for Triton outright
+    model = tiny_model(tok, backend, pattern="LBGB", kernels="triton").cuda()
     assert model.ops.name == "triton"
     cached = generate(model, image_prompt, max_new_tokens=12, use_cache=True, eos_id=-1)
     full = generate(model, image_prompt, max_new_tokens=12, use_cache=False, eos_id=-1)

@@ -194,3 +194,19 @@ def test_bench_command_runs_tiny(capsys):
     out = capsys.readouterr().out
     assert "grouped / loop" in out and "blocksparse speedup over sdpa" in out and "x" in out.split("per doubling")[1]
     assert main(["bench", "model", "--kinds", "X"]) == 2
+
+
+@pytest.mark.parametrize("visual", [False, True])
+@pytest.mark.parametrize("dispatch", ["grouped", "loop"])
+def test_every_parameter_gets_a_gradient_every_step(visual, dispatch):
+    # what lets DDP run with find_unused_parameters=False: a text-only batch, and experts that
+    # receive no token, still give every parameter a gradient
+    cfg = tiny_cfg(moe=MoEConfig(num_experts=16, num_experts_per_token=1, expert_dim=16, num_dense_layers=1,
+                                 dense_dim=32, dispatch=dispatch))
+    model = OmniModel(cfg)
+    batch = random_packed_batch(cfg, batch_size=1, seq_len=24, docs_per_row=1, visual=visual, seed=0)
+    out = run(model, batch)
+    out.loss.backward()
+    assert int((out.expert_counts.sum(1) == 0).sum()) > 0  # some expert got no token
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert missing == []
