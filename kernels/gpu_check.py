@@ -9,7 +9,10 @@
 3. the model's attention backends (whatever `omniloom.model` exposes; skipped when absent):
    agreement with sdpa on one packed multimodal batch, then forward+backward timings;
 4. one training step of a small OmniModel with kernels=triton against kernels=reference on the
-   same weights and batch (loss and gradient agreement), then the trainer's throughput with each.
+   same weights and batch (loss and gradient agreement), then the trainer's throughput with each;
+5. step speed: host syncs in one forward+backward (CUDA sync-debug mode), flex L vs G at 4k, 16k
+   and 64k tokens with the recompile count of a repeat pass, and the d1024 equal-math step
+   against Hugging Face Qwen3-MoE (when transformers is installed).
 
 Each section runs in its own try block so one failure does not hide the others; sections are
 skipped once the time budget is spent. Everything printed also goes to DIR/gpu_check.txt and the
@@ -218,11 +221,91 @@ def section_train_step() -> None:
         RESULTS.setdefault("bench_train", {})[kernels] = report
 
 
+def section_step_speed() -> None:
+    """Issue 13's GPU rows: host syncs in one training step (CUDA sync-debug mode), flex L vs G
+    at 4k-64k with the recompile count after warm-up, and the d1024 equal-math step against
+    Hugging Face Qwen3-MoE (when transformers is installed)."""
+    import warnings
+
+    from omniloom.model import OmniModel
+    from omniloom.model.bench import bench_attention, format_attention
+    from omniloom.model.synthetic import random_packed_batch
+
+    dev = PLAN["device"]
+    # (a) host syncs inside forward + backward, counted by CUDA's sync-debug warnings
+    backend = "flex" if dev == "cuda" else "blocksparse"
+    cfg = _small_model_config("auto", backend)
+    model = OmniModel(cfg).to(dev)
+    batch = random_packed_batch(cfg, batch_size=2, seq_len=PLAN["seq_len"], docs_per_row=3, seed=0)
+    layout = model.batch_layout(batch["doc_ids"], batch["block_ids"])
+    batch = {k: v.to(dev) for k, v in batch.items()}
+    for _ in range(2):  # warm-up: compile, autotune, grouped-vs-loop decision
+        model(**batch, layout=layout).loss.backward()
+    syncs = "n/a on CPU"
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                model(**batch, layout=layout).loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        msgs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+        syncs = f"{len(msgs)}" + (f" (first: {msgs[0][:120]})" if msgs else "")
+    say(f"host syncs in one forward+backward ({backend}, 2 x {PLAN['seq_len']} multimodal): {syncs}")
+    RESULTS["step_syncs"] = syncs
+    # (b) flex sliding-window vs global, and recompiles after warm-up
+    if dev == "cuda":
+        import torch._dynamo.utils as du
+
+        lens = [4096, 16384, 65536]
+        res = bench_attention(device=torch.device(dev), seq_lens=lens[:1], kinds="LG", backends=["flex"], num_heads=16,
+                              num_kv_heads=4, head_dim=64, window=1024, block_size=128, num_selected=8, warmup=2,
+                              iters=1, sdpa_max=0, dtype=torch.bfloat16, warmup_each=True)
+        before = sum(du.counters["stats"].values())
+        res = bench_attention(device=torch.device(dev), seq_lens=lens, kinds="LG", backends=["flex"], num_heads=16,
+                              num_kv_heads=4, head_dim=64, window=1024, block_size=128, num_selected=8, warmup=2,
+                              iters=PLAN["attn_iters"], sdpa_max=0, dtype=torch.bfloat16, warmup_each=True)
+        for line in format_attention(res, lens, "LG", ["flex"]):
+            say(line)
+        for S in lens:
+            say(f"flex L/G time at {S}: {res[('L', 'flex', S)] / res[('G', 'flex', S)]:.2f} (below 1: window layers faster)")
+        # a second pass over the same shapes must compile nothing new
+        mark = sum(du.counters["stats"].values())
+        bench_attention(device=torch.device(dev), seq_lens=lens, kinds="LG", backends=["flex"], num_heads=16,
+                        num_kv_heads=4, head_dim=64, window=1024, block_size=128, num_selected=8, warmup=0,
+                        iters=1, sdpa_max=0, dtype=torch.bfloat16)
+        after = sum(du.counters["stats"].values())
+        say(f"dynamo stats during warm-up {mark - before}, during a repeat pass {after - mark} (0: no recompiles)")
+        RESULTS["flex_l_vs_g"] = {str(S): res[("L", "flex", S)] / res[("G", "flex", S)] for S in lens}
+        RESULTS["recompiles_after_warmup"] = after - mark
+    # (c) equal math against Hugging Face
+    from omniloom.pretrain.bench_hf import EQUAL_MATH, EQUAL_MATH_GPU, bench_hf, import_transformers
+
+    try:
+        import_transformers()
+    except ImportError:
+        say("equal-math row vs Hugging Face: skipped (transformers not installed)")
+        return
+
+    shape = EQUAL_MATH_GPU if dev == "cuda" else dict(EQUAL_MATH, layers=1, vocab=512)
+    cases = [(4096, 4)] if dev == "cuda" else [(64, 1)]
+    patterns = ["G" * shape["layers"], "LLLG"]
+    rows = bench_hf(cases=cases, patterns=patterns, backend=backend, steps=3 if dev == "cuda" else 1, warmup=2 if dev == "cuda" else 0,
+                    shape=shape, device=dev)
+    for r in rows:
+        say(f"equal math {r['seq_len']}x{r['batch']} {r['pattern']}: omniloom {r['omni_tps']:,.0f} tok/s, "
+            f"HF ({r['hf_impl']}) {r['hf_tps']:,.0f} tok/s -> {r['speedup']:.2f}x")
+    RESULTS["equal_math"] = rows
+
+
 SECTIONS = [
     ("kernel parity", section_kernel_parity),
     ("kernel bench", section_kernel_bench),
     ("attention backends", section_attention),
     ("training step", section_train_step),
+    ("step speed (issue 13)", section_step_speed),
 ]
 
 

@@ -75,8 +75,10 @@ def _sections(head_dim: int) -> tuple[int, int, int]:
 
 def bench_attention(*, device: torch.device, seq_lens: list[int], kinds: str, backends: list[str], num_heads: int,
                     num_kv_heads: int, head_dim: int, window: int, block_size: int, num_selected: int,
-                    warmup: int, iters: int, sdpa_max: int, dtype: torch.dtype) -> dict[tuple[str, str, int], float]:
-    """Seconds per forward+backward of one attention layer for each (kind, backend, seq_len)."""
+                    warmup: int, iters: int, sdpa_max: int, dtype: torch.dtype,
+                    warmup_each: bool = False) -> dict[tuple[str, str, int], float]:
+    """Seconds per forward+backward of one attention layer for each (kind, backend, seq_len).
+    `warmup_each`: warm up at every length (compiled flex compiles once per shape)."""
     results = {}
     jobs = [(k, b, s) for k in kinds for b in backends for s in seq_lens if not (b == "sdpa" and s > sdpa_max)]
     for kind, backend, S in tqdm(jobs, desc="attention", leave=False):
@@ -94,7 +96,7 @@ def bench_attention(*, device: torch.device, seq_lens: list[int], kinds: str, ba
             out.sum().backward()
 
         # warm up once per (kind, backend), at its shortest length: a warm-up at 16k sdpa costs a minute
-        first = S == min(s for k_, b_, s in jobs if (k_, b_) == (kind, backend))
+        first = warmup_each or S == min(s for k_, b_, s in jobs if (k_, b_) == (kind, backend))
         results[(kind, backend, S)] = _time(step, warmup=warmup if first else 0, iters=iters, sync=_sync_for(device))
     return results
 

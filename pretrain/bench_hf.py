@@ -17,6 +17,8 @@ import time
 import torch
 
 EQUAL_MATH = dict(dim=256, layers=4, heads=8, kv_heads=2, experts=16, top_k=2, expert_dim=256, vocab=8192)
+# the GPU row of issue 13 (gpu_check runs it on CUDA with bf16 autocast and the flex backend)
+EQUAL_MATH_GPU = dict(dim=1024, layers=8, heads=16, kv_heads=4, experts=32, top_k=4, expert_dim=512, vocab=32768)
 
 
 def _omni_model(shape: dict, pattern: str, backend: str):
@@ -34,7 +36,25 @@ def _omni_model(shape: dict, pattern: str, backend: str):
     return OmniModel(cfg)
 
 
+def import_transformers():
+    """Import transformers even when run as `python -m ...` from this repository's root, where the
+    current folder on sys.path makes the repo's `tokenizers/` shadow Hugging Face's `tokenizers`."""
+    import os
+    import sys
+
+    root = os.path.abspath(os.getcwd())
+    if os.path.isfile(os.path.join(root, "tokenizers", "__init__.py")) and os.path.isfile(os.path.join(root, "pyproject.toml")):
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != root]
+        mod = sys.modules.get("tokenizers")
+        if mod is not None and os.path.abspath(getattr(mod, "__file__", "") or "").startswith(root):
+            del sys.modules["tokenizers"]
+    import transformers
+
+    return transformers
+
+
 def _hf_model(shape: dict):
+    import_transformers()
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
@@ -70,32 +90,42 @@ def _omni_batch(batch_size: int, seq_len: int, vocab: int, seed: int):
 
 
 def bench_hf(*, cases: list[tuple[int, int]], patterns: list[str], backend: str, steps: int, warmup: int,
-             shape: dict | None = None) -> list[dict]:
+             shape: dict | None = None, device: str = "cpu") -> list[dict]:
     """For each (seq_len, batch) and omniloom pattern: median step seconds of both models over
-    `steps` interleaved steps after `warmup`. Returns one dict per row."""
+    `steps` interleaved steps after `warmup` (on CUDA: bf16 autocast, synchronized timings).
+    Returns one dict per row."""
+    import contextlib
+
     shape = shape or EQUAL_MATH
+    dev = torch.device(device)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     rows = []
     for seq_len, batch in cases:
         hf, impl = _hf_model(shape)
-        hf.train()
+        hf.to(dev).train()
         hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, fused=True)
         fields, ids = _omni_batch(batch, seq_len, shape["vocab"], seed=seq_len)
         omnis = []
         for pattern in patterns:
             torch.manual_seed(0)
             m = _omni_model(shape, pattern, backend)
-            m.train()
-            layout = m.batch_layout(fields["doc_ids"], fields["block_ids"])
+            m.to(dev).train()
+            layout = m.batch_layout(fields["doc_ids"], fields["block_ids"])  # on the host copy
             omnis.append((pattern, m, torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), layout))
+        fields = {k: v.to(dev) for k, v in fields.items()}
+        ids = ids.to(dev)
 
         def hf_step():
-            out = hf(input_ids=ids, labels=ids)
+            with amp:
+                out = hf(input_ids=ids, labels=ids)
             out.loss.backward()
             hf_opt.step()
             hf_opt.zero_grad(set_to_none=True)
 
         def omni_step(m, opt, layout):
-            out = m(**fields, layout=layout)
+            with amp:
+                out = m(**fields, layout=layout)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -106,8 +136,10 @@ def bench_hf(*, cases: list[tuple[int, int]], patterns: list[str], backend: str,
             if i % 2:
                 order.reverse()  # alternate who goes first
             for name, fn in order:
+                sync()
                 t0 = time.perf_counter()
                 fn()
+                sync()
                 if i >= warmup:
                     times[name].append(time.perf_counter() - t0)
         hf_s = statistics.median(times["hf"])
@@ -142,7 +174,7 @@ def register_bench(bench_sub) -> None:
 
 def _run(args) -> int:
     try:
-        import transformers
+        transformers = import_transformers()
     except ImportError:
         print("omniloom bench hf needs transformers: pip install transformers")
         return 2
