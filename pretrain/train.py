@@ -133,8 +133,11 @@ class Trainer:
         self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
         if data_state is not None:
             self.train_loader.load_state_dict(data_state)
-        with torch.random.fork_rng(devices=[]):  # see _next_batch
+        with torch.random.fork_rng(devices=[]):  # see _next_host_batch
             self.train_iter = iter(self.train_loader)
+        self._staged = None  # the batch staged one step ahead (_next_batch)
+        self._data_state = None  # the loader's state as of the last batch handed to a step
+        self._copy_stream = None
 
     # ---- the loop -------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -257,15 +260,39 @@ class Trainer:
 
     def _next_batch(self):
         """(batch on the device, its host-side attention layout or None, labelled tokens).
-        The layout and the label count are read from the host copy before the (non-blocking,
-        pinned) host-to-device copy, so the step itself never reads device memory for them."""
+
+        Batches are staged one step ahead: while this batch trains, the next one is already read,
+        its layout and label count taken from the host copy, and (on CUDA) copied from pinned
+        memory on a side stream, so the step neither reads device memory for them nor waits for a
+        copy. The data state a checkpoint saves is the loader's state as of the batch handed out
+        here, not of the one staged ahead, so a resume neither skips nor repeats a batch."""
+        if self._staged is None:
+            self._staged = self._stage()
+        batch, layout, n, state, copy_stream = self._staged
+        if copy_stream is not None:  # this step's kernels wait for the side-stream copy, not the host
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(copy_stream)
+            for t in vars(batch).values():
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(current)
+        self._data_state = state
+        self._staged = self._stage()
+        return batch, layout, n
+
+    def _stage(self):
         batch = self._next_host_batch()
+        state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
         model = self.acc.unwrap_model(self.model)
         make_layout = getattr(model, "batch_layout", None)
         layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
         n = B.num_targets(batch)
-        on_device = batch.to(self.device, non_blocking=True) if self.device.type == "cuda" else batch.to(self.device)
-        return on_device, layout, n
+        if self.device.type != "cuda":
+            return batch.to(self.device), layout, n, state, None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            on_device = batch.to(self.device, non_blocking=True)
+        return on_device, layout, n, state, self._copy_stream
 
     def _next_host_batch(self):
         # Loading may draw from torch's global RNG (a DataLoader draws its base seed when its
@@ -329,7 +356,7 @@ class Trainer:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen,
                          "scheduler": self.scheduler.state_dict(), "guard": self.guard.state_dict(),
                          "spikes": {k: d.state_dict() for k, d in self.spikes.items()}}
-        path = self.ckpt.save(self.step, trainer_state=trainer_state, data_state=self.train_loader.state_dict(),
+        path = self.ckpt.save(self.step, trainer_state=trainer_state, data_state=self._data_state if self._data_state is not None else self.train_loader.state_dict(),
                               config_yaml=to_yaml(self.cfg))
         self.last_checkpoint = str(path)
 

@@ -282,13 +282,16 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
 
 
 def test_sigterm_finishes_step_saves_and_returns(tmp_path):
+    # the loader signals as it yields its 4th batch; batches are staged one step ahead, so that
+    # happens during step 3, which finishes and saves
     trainer = _trainer(tmp_path, "train.num_steps=50", "checkpoint.every=0", sigterm_at=4)
     result = trainer.fit()
-    assert result.stopped_by == "signal" and result.step == 4
+    assert result.stopped_by == "signal" and result.step == 3
+    assert trainer.train_loader.consumed == 4  # the staged batch was read ...
     latest = ckpt_mod.latest_checkpoint(tmp_path / "checkpoints")
-    assert latest.name == "step_00000004" and ckpt_mod.is_complete(latest)
+    assert latest.name == "step_00000003" and ckpt_mod.is_complete(latest)
     state = torch.load(latest / "data_rank00000.pt", weights_only=True)
-    assert state == {"consumed": 4}
+    assert state == {"consumed": 3}  # ... but the checkpoint resumes at the first batch not trained on
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
