@@ -49,7 +49,9 @@ CODE_EXT = {
     ".hs": "haskell", ".ml": "ocaml", ".css": "css", ".proto": "protobuf", ".cmake": "cmake",
 }
 CODE_NAMES = {"Makefile": "makefile", "Dockerfile": "dockerfile", "CMakeLists.txt": "cmake"}
-# Note: ".ts" is TypeScript unless PyAV says it is an MPEG transport stream (see _classify).
+# Note: ".ts" is TypeScript unless its head is an MPEG transport stream (see _looks_like_text).
+_TS_PACKET = 188
+_TS_SNIFF_PACKETS = 5
 CAPTION_KEYS = ("caption", "text", "alt", "title", "description")
 
 
@@ -222,12 +224,23 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
 
 
 def _looks_like_text(path: str) -> bool:
+    """A `.ts` file is TypeScript (code) unless it is an MPEG transport stream. Text that decodes
+    wins; otherwise it is a transport stream only if the 0x47 sync byte starts every 188-byte packet
+    of its head (one byte alone is a `G`, as in `GLOBAL = 1;`)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(4)
+            head = f.read(_TS_PACKET * _TS_SNIFF_PACKETS)
     except OSError:
         return False
-    return not head.startswith(b"\x47")  # MPEG-TS packets start with the 0x47 sync byte
+    if b"\x00" not in head:
+        try:
+            head.decode("utf-8")
+            return True
+        except UnicodeDecodeError as err:
+            if err.start >= len(head) - 3 and err.reason == "unexpected end of data":
+                return True  # a multi-byte character cut by the sniff window
+    strides = range(0, len(head), _TS_PACKET)
+    return not all(head[i] == 0x47 for i in strides)
 
 
 def _real(path: str) -> str:
