@@ -26,6 +26,7 @@ from .validate import (
     TextPolicy,
     decode_text,
     document_fingerprint,
+    loads_finite,
     parse_input_document,
     real_file_inside,
     resolve_inside,
@@ -345,7 +346,7 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         segments = [{"type": kind, "path": unit.rel, "_abs": real, "_standalone": True}]
         if unit.sidecar:
             try:
-                caption, side_meta = _read_sidecar(unit, st)
+                caption, side_meta = _read_sidecar(unit, st, rejects)
                 meta["caption_source"] = unit.sidecar
                 if side_meta:
                     meta["sidecar"] = side_meta
@@ -364,9 +365,11 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         raw = _read_file(real, "JSONL file", unit.offset, unit.length)
         line = decode_text(raw, st.text, what=f"JSONL line {unit.line}")
         try:
-            obj = json.loads(line)
+            obj, nulled = loads_finite(line)
         except json.JSONDecodeError as err:
             raise Reject("bad-json", f"line {unit.line} is not valid JSON ({err.msg} at column {err.colno}); fix or remove the line") from None
+        if nulled:
+            rejects.append(_reject(unit, _nonfinite(nulled, f"line {unit.line}"), action="nulled-values"))
         segments, rec_meta = parse_input_document(obj)
         meta.update({k2: v for k2, v in rec_meta.items() if k2 != "source"})
         if "source" in rec_meta:
@@ -375,15 +378,22 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
     raise AssertionError(f"unknown unit kind {k}")
 
 
-def _read_sidecar(unit: Unit, st: IngestSettings) -> tuple[str, dict]:
+def _nonfinite(n: int, where: str) -> Reject:
+    return Reject("non-finite-number", f"{where} holds {n} NaN/Infinity value(s), which strict JSON has no form for; "
+                  "written as null, the rest of the document kept")
+
+
+def _read_sidecar(unit: Unit, st: IngestSettings, rejects: list) -> tuple[str, dict]:
     data = _read_checked(unit, unit.sidecar, limit=st.text.max_bytes, what="caption sidecar")
     text = decode_text(data, st.text, what="caption sidecar")
     if unit.sidecar.endswith(".txt"):
         return text.strip(), {}
     try:
-        obj = json.loads(text)
+        obj, nulled = loads_finite(text)
     except json.JSONDecodeError as err:
         raise Reject("bad-json", f"caption sidecar {unit.sidecar} is not valid JSON ({err.msg})") from None
+    if nulled:
+        rejects.append(_reject(unit, _nonfinite(nulled, f"caption sidecar {unit.sidecar}"), action="nulled-values", ref=unit.sidecar))
     if not isinstance(obj, dict):
         raise Reject("schema", f"caption sidecar {unit.sidecar} must hold a JSON object")
     caption = next((obj[k] for k in CAPTION_KEYS if isinstance(obj.get(k), str) and obj[k].strip()), "")

@@ -250,7 +250,7 @@ def build(
                 rejects = rejects + [{"path": units[i].display, "code": "duplicate", "reason": f"exact duplicate of document {seen[res['fingerprint']]} (same prose up to whitespace, same code and media bytes)", "action": "dropped-doc"}]
                 res["doc"] = None
             if res["doc"] is not None:
-                doc_json = json.dumps(res["doc"], ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+                doc_json = json.dumps(res["doc"], ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
                 members = [("doc.json", doc_json), *res["members"]]
                 size = DeterministicTarWriter.sample_bytes(members)
                 if writer is not None and (len(writer.samples) >= shard_max_docs or final_size(writer.size + size) > shard_max_bytes):
@@ -322,7 +322,7 @@ def _close_shard(writer: DeterministicTarWriter, out: str, journal, state: _Span
 
 
 def _append(journal, record: dict) -> None:
-    journal.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+    journal.write(json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n")
     journal.flush()
     os.fsync(journal.fileno())
 
@@ -346,7 +346,7 @@ def _open_journal(out: str, header: dict) -> list[dict]:
     path = os.path.join(out, JOURNAL)
     if not os.path.exists(path):
         with open(path, "w", encoding="utf-8") as f:
-            f.write(json.dumps(header, separators=(",", ":")) + "\n")
+            f.write(json.dumps(header, allow_nan=False, separators=(",", ":")) + "\n")
             f.flush()
             os.fsync(f.fileno())
         return []
@@ -394,7 +394,7 @@ def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed
             media.update(r["media_bytes"])
             for rej in r["rejects"]:
                 codes[rej["code"]] += 1
-                f.write(json.dumps(rej, ensure_ascii=False) + "\n")
+                f.write(json.dumps(rej, ensure_ascii=False, allow_nan=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(out, REJECTS))

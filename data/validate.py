@@ -8,6 +8,8 @@ sentence a person can act on. The ingest code turns these into lines of `rejects
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import re
 import unicodedata
@@ -79,6 +81,28 @@ def decode_text(data: bytes, policy: TextPolicy, *, what: str = "file") -> str:
     if not text.strip():
         raise Reject("empty", f"{what} holds only whitespace")
     return text
+
+
+def loads_finite(text: str) -> tuple[object, int]:
+    """`json.loads` that turns the non-standard NaN, Infinity and -Infinity (and numbers too large
+    for a float, such as 1e999) into None, so every JSON we write is strict; returns (object,
+    how many values were nulled) so the caller can count and log them."""
+    nulled = 0
+
+    def constant(_name):
+        nonlocal nulled
+        nulled += 1
+        return None
+
+    def number(s):
+        nonlocal nulled
+        v = float(s)
+        if math.isfinite(v):
+            return v
+        nulled += 1
+        return None
+
+    return json.loads(text, parse_constant=constant, parse_float=number), nulled
 
 
 _WS = re.compile(r"\s+")

@@ -43,3 +43,41 @@ def test_typescript_starting_with_G_is_code_and_mpegts_is_video(tmp_path):
     assert by_type["code"]["segments"][0]["lang"] == "typescript"
     assert by_type["code"]["segments"][0]["text"].startswith("GLOBAL = 1;")
     assert by_type["video"]["meta"]["media"]["vid0.ts"]["container"] == "mpegts"
+
+
+# --- item 13: NaN / Infinity in input JSON never reach doc.json ---------------------------------
+
+
+def _strict_loads(raw: bytes):
+    def refuse(name):
+        raise ValueError(f"non-strict JSON constant {name}")
+
+    return json.loads(raw.decode("utf-8"), parse_constant=refuse)
+
+
+def test_nan_and_infinity_become_null_and_are_counted(tmp_path):
+    from omniloom.data.synth import make_image
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "docs.jsonl").write_text(
+        '{"schema": 1, "segments": [{"type": "text", "text": "score me"}], "meta": {"score": NaN, "w": -Infinity, "big": 1e999, "ok": 0.5}}\n'
+    )
+    make_image(src / "pic.png", size=(32, 32))
+    (src / "pic.json").write_text('{"caption": "a picture", "aesthetic": NaN}')
+    out = tmp_path / "out"
+    s = build([str(src)], str(out), progress=False)
+    assert s["documents"] == 2 and s["rejects"] == {"non-finite-number": 2}
+    man = read_manifest(out)
+    for shard in man["shards"]:
+        for smp in shard["samples"]:
+            _, members = iter_sample_at(out / shard["name"], smp["offset"])
+            _strict_loads(members["doc.json"])
+    metas = {d["segments"][0]["type"]: d["meta"] for d in _docs(out)}
+    assert metas["text"]["score"] is None and metas["text"]["w"] is None and metas["text"]["big"] is None and metas["text"]["ok"] == 0.5
+    assert metas["image"]["sidecar"] == {"caption": "a picture", "aesthetic": None}
+    rej = _rejects(out)
+    assert {r["action"] for r in rej} == {"nulled-values"} and all(r["code"] == "non-finite-number" for r in rej)
+    for name in ("manifest.json", "rejects.jsonl"):
+        for line in (out / name).read_bytes().splitlines() if name.endswith("l") else [(out / name).read_bytes()]:
+            _strict_loads(line)
