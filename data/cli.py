@@ -163,6 +163,17 @@ def _build(args) -> int:
         standalone_referenced=args.standalone_referenced, overwrite=args.overwrite, progress=_progress(args),
     )
     print(format_summary(args.out, summary))
+    if summary["documents"] == 0:
+        # Nothing to train on is a failed build, even though every input was handled: a pipeline
+        # must not go on to train on an empty set. One part of a --part build may be empty (few
+        # inputs, many parts); `data merge` refuses if all of them are.
+        part = parse_part(args.part)
+        if part[1] > 1:
+            print(f"omniloom: warning: part {part[0]}/{part[1]} holds no documents; `data merge` needs the other parts to hold some", file=sys.stderr)
+            return 0
+        print(f"omniloom: error: the build wrote no documents (every input was rejected or a duplicate, or none was found); "
+              f"see {args.out}/rejects.jsonl", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -189,6 +200,9 @@ def _merge(args) -> int:
 
     r = merge(args.parts, args.out, mode=args.mode, name=args.name, allow_missing=args.allow_missing)
     print(f"{args.out}: merged {r['parts']} parts -> {r['shards']} shards, {r['documents']} documents, {r['bytes'] / 1e6:.2f} MB")
+    if r["documents"] == 0:
+        print(f"omniloom: error: the merged set holds no documents; see the parts' rejects.jsonl", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -81,3 +81,30 @@ def test_nan_and_infinity_become_null_and_are_counted(tmp_path):
     for name in ("manifest.json", "rejects.jsonl"):
         for line in (out / name).read_bytes().splitlines() if name.endswith("l") else [(out / name).read_bytes()]:
             _strict_loads(line)
+
+
+# --- item 11: a build that writes nothing is an error; verify calls an empty set a problem --------
+
+
+def test_empty_build_exits_2_and_verify_flags_the_empty_set(tmp_path, capsys):
+    from omniloom.pretrain.cli import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "empty.txt").write_bytes(b"")
+    out = tmp_path / "out"
+    assert main(["-q", "data", "build", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "wrote no documents" in err and "rejects.jsonl" in err
+    assert [r["code"] for r in _rejects(out)] == ["empty"]  # the reasons are kept
+    assert main(["-q", "data", "build", str(src), "--out", str(out)]) == 2  # a rerun too
+    capsys.readouterr()
+    assert main(["-q", "data", "verify", str(out)]) == 1
+    assert "empty" in capsys.readouterr().out
+    (tmp_path / "none").mkdir()
+    assert main(["-q", "data", "build", str(tmp_path / "none"), "--out", str(tmp_path / "out2")]) == 2
+    # One empty part of a --part build is fine (few inputs, many parts); merge refuses an empty whole.
+    assert main(["-q", "data", "build", str(src), "--out", str(tmp_path / "p0"), "--part", "0/2"]) == 0
+    assert main(["-q", "data", "build", str(src), "--out", str(tmp_path / "p1"), "--part", "1/2"]) == 0
+    assert "holds no documents" in capsys.readouterr().err
+    assert main(["-q", "data", "merge", str(tmp_path / "p0"), str(tmp_path / "p1"), "--out", str(tmp_path / "m")]) == 2
