@@ -14,6 +14,7 @@ import shutil
 from collections import Counter
 
 from .manifest import MANIFEST, REJECTS, read_manifest, write_json_atomic
+from .outlock import OutputLock
 
 MODES = ("link", "copy", "move")
 
@@ -54,6 +55,11 @@ def merge(part_dirs: list[str], out: str, *, mode: str = "link", name: str | Non
     mans.sort(key=lambda dm: dm[1]["settings"].get("part", [0, 1])[0])
     name = name or mans[0][1]["name"]
     os.makedirs(out, exist_ok=True)
+    with OutputLock(out, f"data merge into {out}"):
+        return _merge_locked(mans, seen_parts, ref_settings, n_parts, out, mode=mode, name=name)
+
+
+def _merge_locked(mans, seen_parts, ref_settings, n_parts, out, *, mode, name) -> dict:
     if os.path.exists(os.path.join(out, MANIFEST)):
         raise ValueError(f"{out} already holds a manifest; merge into a new folder")
 

@@ -30,6 +30,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 from .ingest import IngestSettings, Unit, discover, process_unit
 from .manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir, read_manifest, write_json_atomic
+from .outlock import OutputLock
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,15 @@ def build(
         raise ValueError(f"--workers must be >= 1, got {workers}")
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
+    # Held for the whole build, before anything in `out` is read or removed (--overwrite too).
+    with OutputLock(out, f"data build into {out}"):
+        return _build_locked(sources, out, name=name, workers=workers, part=part, shard_max_docs=shard_max_docs,
+                             shard_max_bytes=shard_max_bytes, dedup=dedup, ingest=ingest,
+                             standalone_referenced=standalone_referenced, overwrite=overwrite, progress=progress, t0=t0)
+
+
+def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_max_bytes, dedup, ingest,
+                  standalone_referenced, overwrite, progress, t0) -> dict:
     settings = {
         "sources": [os.path.normpath(s) for s in sources],
         "name": name,

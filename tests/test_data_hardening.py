@@ -108,3 +108,53 @@ def test_empty_build_exits_2_and_verify_flags_the_empty_set(tmp_path, capsys):
     assert main(["-q", "data", "build", str(src), "--out", str(tmp_path / "p1"), "--part", "1/2"]) == 0
     assert "holds no documents" in capsys.readouterr().err
     assert main(["-q", "data", "merge", str(tmp_path / "p0"), str(tmp_path / "p1"), "--out", str(tmp_path / "m")]) == 2
+
+
+# --- item 9: one build at a time per output folder ---------------------------------------------
+
+
+def _spawn_build(src, out, *extra, pause="0"):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMNILOOM_TEST_BUILD_PAUSE": pause}
+    return subprocess.Popen([sys.executable, "-m", "omniloom.data.cli", "build", str(src), "--out", str(out), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+
+
+def _wait_for(cond, what, timeout=60.0):
+    import time
+
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_second_build_into_a_busy_folder_is_refused_naming_the_holder(tmp_path, capsys):
+    import signal
+
+    from omniloom.pretrain.cli import main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"t{i}.txt").write_text(f"document number {i}\n")
+    out = tmp_path / "out"
+    p = _spawn_build(src, out, "--shard-docs", "2", pause="0.2")
+    _wait_for(lambda: any(f.name.endswith(".tar.tmp") for f in out.iterdir()) if out.exists() else False, "the first build")
+    for extra in ([], ["--overwrite"]):
+        assert main(["-q", "data", "build", str(src), "--out", str(out), "--shard-docs", "2", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "in use by another running data build" in err and f"pid {p.pid} " in err, err
+    assert p.wait(timeout=60) == 0, p.stderr.read().decode()
+    assert read_manifest(out)["totals"]["documents"] == 6
+    assert not (out / ".omniloom.lock").exists()  # released: the folder holds only the outputs
+    # A holder killed with -9 leaves no lock behind: the kernel drops it, and a rerun resumes.
+    out2 = tmp_path / "out2"
+    p = _spawn_build(src, out2, "--shard-docs", "2", pause="0.2")
+    _wait_for(lambda: any(f.name.endswith(".tar.tmp") for f in out2.iterdir()) if out2.exists() else False, "the second build")
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    assert (out2 / ".omniloom.lock").exists()
+    assert build([str(src)], str(out2), shard_max_docs=2, progress=False)["documents"] == 6
