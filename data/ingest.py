@@ -24,8 +24,10 @@ from .media import MediaLimits, validate_image, validate_video
 from .validate import (
     Reject,
     TextPolicy,
+    check_unicode_text,
     decode_text,
     document_fingerprint,
+    json_safe,
     loads_finite,
     parse_input_document,
     real_file_inside,
@@ -303,6 +305,10 @@ def process_unit(unit: Unit, settings: IngestSettings) -> dict:
         log.debug("unexpected error on %s", unit.display, exc_info=True)
         out["doc"], out["members"] = None, []
         out["rejects"].append(_reject(unit, Reject("error", f"unexpected {type(err).__name__}: {err}"), action="dropped-doc"))
+    # File names that are not UTF-8 (and stray surrogates in JSON input) are escaped here, in the
+    # worker, so every JSON the build writes is valid UTF-8 (see validate.printable).
+    out["doc"] = json_safe(out["doc"])
+    out["rejects"] = json_safe(out["rejects"])
     return out
 
 
@@ -371,6 +377,9 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         if nulled:
             rejects.append(_reject(unit, _nonfinite(nulled, f"line {unit.line}"), action="nulled-values"))
         segments, rec_meta = parse_input_document(obj)
+        for i, seg in enumerate(segments):
+            if seg["type"] in ("text", "code"):
+                seg["text"] = check_unicode_text(seg["text"], st.text, what=f"line {unit.line} segment {i}")
         meta.update({k2: v for k2, v in rec_meta.items() if k2 != "source"})
         if "source" in rec_meta:
             meta["original_source"] = rec_meta["source"]

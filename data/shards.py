@@ -29,6 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from .ingest import IngestSettings, Unit, discover, process_unit
+from .validate import json_safe, printable
 from .manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir, read_manifest, write_json_atomic
 from .outlock import OutputLock
 
@@ -211,7 +212,7 @@ def build(
 def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_max_bytes, dedup, ingest,
                   standalone_referenced, overwrite, progress, t0) -> dict:
     settings = {
-        "sources": [os.path.normpath(s) for s in sources],
+        "sources": [printable(os.path.normpath(s)) for s in sources],
         "name": name,
         "part": list(part),
         "shard_max_docs": shard_max_docs,
@@ -257,10 +258,10 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
             bar.update(res)
             rejects = res["rejects"]
             if res["doc"] is not None and dedup and res["fingerprint"] in seen:
-                rejects = rejects + [{"path": units[i].display, "code": "duplicate", "reason": f"exact duplicate of document {seen[res['fingerprint']]} (same prose up to whitespace, same code and media bytes)", "action": "dropped-doc"}]
+                rejects = rejects + [{"path": printable(units[i].display), "code": "duplicate", "reason": f"exact duplicate of document {seen[res['fingerprint']]} (same prose up to whitespace, same code and media bytes)", "action": "dropped-doc"}]
                 res["doc"] = None
             if res["doc"] is not None:
-                doc_json = json.dumps(res["doc"], ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+                doc_json = json.dumps(res["doc"], ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
                 members = [("doc.json", doc_json), *res["members"]]
                 size = DeterministicTarWriter.sample_bytes(members)
                 if writer is not None and (len(writer.samples) >= shard_max_docs or final_size(writer.size + size) > shard_max_bytes):
@@ -332,7 +333,7 @@ def _close_shard(writer: DeterministicTarWriter, out: str, journal, state: _Span
 
 
 def _append(journal, record: dict) -> None:
-    journal.write(json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n")
+    journal.write(json.dumps(json_safe(record), ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n")
     journal.flush()
     os.fsync(journal.fileno())
 

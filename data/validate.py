@@ -105,6 +105,45 @@ def loads_finite(text: str) -> tuple[object, int]:
     return json.loads(text, parse_constant=constant, parse_float=number), nulled
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def printable(s: str) -> str:
+    """`s` as valid Unicode for a JSON file. A file name that is not valid UTF-8 reaches Python
+    with each undecodable byte as a lone surrogate (U+DC80-U+DCFF, PEP 383); it is written as
+    the four characters `\\xNN` (Python's backslashreplace form, so `caf\\xe9.txt` names the
+    Latin-1 file `caf<0xE9>.txt`). Any other lone surrogate (a JSON `\\ud800` escape) becomes U+FFFD."""
+    if not _SURROGATE.search(s):
+        return s
+    return _SURROGATE.sub(lambda m: f"\\x{ord(m.group()) - 0xDC00:02x}" if 0xDC80 <= ord(m.group()) <= 0xDCFF else "\ufffd", s)
+
+
+def json_safe(obj):
+    """`obj` with every string (dict keys too) made `printable`, so it encodes as valid UTF-8."""
+    if isinstance(obj, str):
+        return printable(obj)
+    if isinstance(obj, dict):
+        return {json_safe(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def check_unicode_text(text: str, policy: TextPolicy, *, what: str) -> str:
+    """Text that arrived as JSON may hold lone surrogates (`\\ud800` escapes), which no UTF-8 file
+    can hold: reject them under --bad-utf8 reject, replace them with U+FFFD under replace."""
+    m = _SURROGATE.search(text)
+    if not m:
+        return text
+    if policy.bad_utf8 == "reject":
+        raise Reject(
+            "bad-utf8",
+            f"{what} holds a lone surrogate (\\u{ord(m.group()):04x} at character {m.start()}), which is not valid Unicode; "
+            "fix the text, or pass --bad-utf8 replace to keep it with U+FFFD replacements",
+        )
+    return _SURROGATE.sub("\ufffd", text)
+
+
 _WS = re.compile(r"\s+")
 
 

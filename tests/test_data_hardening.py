@@ -158,3 +158,50 @@ def test_a_second_build_into_a_busy_folder_is_refused_naming_the_holder(tmp_path
     p.wait()
     assert (out2 / ".omniloom.lock").exists()
     assert build([str(src)], str(out2), shard_max_docs=2, progress=False)["documents"] == 6
+
+
+# --- item 5: file names that are not UTF-8, and every written JSON is valid UTF-8 ------------------
+
+
+def _all_json_is_strict_utf8(out: Path) -> None:
+    for name in os.listdir(out):
+        if name.endswith(".tar"):
+            import tarfile
+
+            with tarfile.open(out / name) as tf:
+                for m in tf:
+                    if m.name.endswith(".doc.json"):
+                        _strict_loads(tf.extractfile(m).read())
+        elif name.endswith(".jsonl"):
+            for line in (out / name).read_bytes().splitlines():
+                _strict_loads(line)
+        elif name.endswith(".json"):
+            _strict_loads((out / name).read_bytes())
+
+
+def test_file_names_that_are_not_utf8_are_escaped_and_json_stays_utf8(tmp_path):
+    src = os.path.join(os.fsencode(tmp_path), b"src\xff")  # the SOURCE folder's own name too
+    os.mkdir(src)
+    with open(os.path.join(src, b"caf\xe9.txt"), "wb") as f:
+        f.write(b"a Latin-1 name\n")
+    with open(os.path.join(src, b"ok.txt"), "wb") as f:
+        f.write(b"a plain name\n")
+    os.symlink(b"nowhere", os.path.join(src, b"gone\xfe.png"))
+    with open(os.path.join(src, b"d.jsonl"), "wb") as f:
+        f.write(b'{"schema": 1, "segments": [{"type": "text", "text": "lone \\ud800 surrogate"}]}\n')
+        f.write(b'{"schema": 1, "segments": [{"type": "text", "text": "fine"}], "meta": {"note": "x\\udfffy"}}\n')
+    out = tmp_path / "out"
+    s = build([os.fsdecode(src)], str(out), progress=False)
+    assert s["documents"] == 3 and s["rejects"] == {"bad-utf8": 1, "missing": 1}
+    _all_json_is_strict_utf8(out)
+    docs = {d["meta"]["source"]: d for d in _docs(out)}
+    assert "src\\xff/caf\\xe9.txt" in docs and docs["src\\xff/caf\\xe9.txt"]["segments"][0]["text"] == "a Latin-1 name\n"
+    assert docs["src\\xff/d.jsonl:2"]["meta"]["note"] == "x\ufffdy"
+    paths = {r["code"]: r["path"] for r in _rejects(out)}
+    assert paths["missing"].endswith("src\\xff/gone\\xfe.png") and paths["bad-utf8"].endswith("d.jsonl:1")
+    assert read_manifest(out)["settings"]["sources"][0].endswith("src\\xff")
+    # The escaped form is stable: a rerun finds the finished build, and workers agree byte for byte.
+    assert build([os.fsdecode(src)], str(out), progress=False)["already"]
+    build([os.fsdecode(src)], str(tmp_path / "w2"), workers=2, progress=False)
+    for name in os.listdir(out):
+        assert (out / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
