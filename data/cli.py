@@ -24,7 +24,11 @@ inputs:
   (--standalone-referenced changes that; otherwise its caption sidecar is listed in rejects.jsonl).
 
 policies:
-  text must be UTF-8 (--bad-utf8), NUL bytes reject the file (--nul); a UTF-8 BOM is removed.
+  text is UTF-8 unless a BOM (UTF-8/16/32) or, for HTML, a declared charset (<meta charset>,
+  http-equiv Content-Type, <?xml encoding>) says otherwise; nothing is guessed. Bytes that do not
+  decode follow --bad-utf8; NUL bytes reject the file (--nul).
+  file names that are not UTF-8 are kept, written in JSON with each undecodable byte as \\xNN.
+  NaN/Infinity in JSONL or sidecar JSON become null (counted as non-finite-number).
   media references must stay inside their SOURCE folder (no '..', no symlinks out).
   a document with a bad media segment keeps the rest (--on-bad-media drop-segment) or is dropped.
   exact duplicates (same prose up to whitespace, same code byte for byte, same media bytes) are

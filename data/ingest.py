@@ -26,6 +26,7 @@ from .validate import (
     TextPolicy,
     check_unicode_text,
     decode_text,
+    decode_text_info,
     document_fingerprint,
     json_safe,
     loads_finite,
@@ -256,7 +257,8 @@ def _real(path: str) -> str:
 def _html_refs(root: str, full: str) -> set[str]:
     try:
         with open(full, "rb") as f:
-            text = f.read().decode("utf-8", errors="replace")
+            data = f.read()
+        text = decode_text(data, TextPolicy(bad_utf8="replace", nul="strip", max_bytes=len(data) + 1), what="HTML page", html=True)
         segments, _ = extract_html(text)
     except Exception:  # noqa: BLE001 - the unit itself reports the problem when processed
         return set()
@@ -363,8 +365,11 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         return segments, meta
     if k == "html":
         data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what="HTML page")
-        segments, page_meta = extract_html(decode_text(data, st.text, what="HTML page"))
+        text, encoding = decode_text_info(data, st.text, what="HTML page", html=True)
+        segments, page_meta = extract_html(text)
         meta.update(page_meta)
+        if encoding != "utf-8":
+            meta["encoding"] = encoding  # provenance: the page was not UTF-8
         return segments, meta
     if k == "jsonl":
         real = real_file_inside(unit.root, os.path.join(unit.root, unit.rel), what="JSONL file")

@@ -205,3 +205,53 @@ def test_file_names_that_are_not_utf8_are_escaped_and_json_stays_utf8(tmp_path):
     build([os.fsdecode(src)], str(tmp_path / "w2"), workers=2, progress=False)
     for name in os.listdir(out):
         assert (out / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
+
+
+# --- item 6: legacy encodings declared by HTML pages, and text files with a BOM --------------------
+
+WORD_PAGE = (
+    '<html xmlns:v="urn:schemas-microsoft-com:vml" xmlns:o="urn:schemas-microsoft-com:office:office"\n'
+    'xmlns:w="urn:schemas-microsoft-com:office:word" xmlns="http://www.w3.org/TR/REC-html40">\n\n<head>\n'
+    '<meta http-equiv=Content-Type content="text/html; charset=windows-1252">\n'
+    '<meta name=Generator content="Microsoft Word 15">\n<title>Caf\xe9 notes</title>\n</head>\n'
+    '<body lang=EN-US><div class=WordSection1><p class=MsoNormal>Caf\xe9 cr\xe8me \u201cquoted\u201d \u2013 na\xefve</p></div></body></html>\n'
+)
+
+
+def test_declared_legacy_encodings_and_boms_are_honoured(tmp_path):
+    from omniloom.data.validate import Reject, TextPolicy, decode_text
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "word.htm").write_bytes(WORD_PAGE.encode("cp1252"))
+    (src / "latin1.html").write_bytes('<meta charset="ISO-8859-1"><p>Gar\xe7on \u2019s</p>'.encode("cp1252"))
+    (src / "sjis.html").write_bytes('<html><head><meta charset=shift_jis></head><body><p>日本語のページ</p></body></html>'.encode("shift_jis"))
+    (src / "u16.html").write_bytes(codecs_bom("utf-16-le") + "<p>sixteen \u00e9</p>".encode("utf-16-le"))
+    (src / "bomwins.html").write_bytes(b"\xef\xbb\xbf" + '<meta charset="windows-1252"><p>bom \u00e9</p>'.encode("utf-8"))
+    (src / "be.txt").write_bytes(codecs_bom("utf-16-be") + "big-endian text \u00e9\n".encode("utf-16-be"))
+    (src / "u8bom.md").write_bytes(b"\xef\xbb\xbf# heading \xc3\xa9\n")
+    (src / "undeclared.html").write_bytes("<p>caf\xe9 with no declaration</p>".encode("latin-1"))
+    out = tmp_path / "out"
+    s = build([str(src)], str(out), progress=False)
+    assert s["rejects"] == {"bad-utf8": 1}, _rejects(out)  # only the page that declares nothing
+    assert _rejects(out)[0]["path"].endswith("undeclared.html")
+    texts = {d["meta"]["source"].split("/", 1)[1]: (" ".join(s["text"] for s in d["segments"]), d["meta"]) for d in _docs(out)}
+    text, meta = texts["word.htm"]
+    assert text == "Caf\xe9 cr\xe8me \u201cquoted\u201d \u2013 na\xefve" and meta["title"] == "Caf\xe9 notes" and meta["encoding"] == "cp1252"
+    assert texts["latin1.html"][0] == "Gar\xe7on \u2019s"  # ISO-8859-1 means windows-1252, as in browsers
+    assert texts["sjis.html"][0] == "日本語のページ"
+    assert texts["u16.html"][0] == "sixteen \u00e9" and texts["bomwins.html"][0] == "bom \u00e9"
+    assert texts["be.txt"][0] == "big-endian text \u00e9\n" and texts["u8bom.md"][0] == "# heading \u00e9\n"
+    # A page whose bytes do not fit its declaration is a counted reject, not mojibake.
+    try:
+        decode_text(b'<meta charset="utf-8"><p>caf\xe9</p>', TextPolicy(), what="page", html=True)
+        raise AssertionError("expected a Reject")
+    except Reject as rej:
+        assert rej.code == "bad-encoding"
+    assert decode_text("<meta charset=koi8-r><p>\u043f\u0440\u0438\u0432\u0435\u0442</p>".encode("koi8-r"), TextPolicy(), html=True).endswith("\u043f\u0440\u0438\u0432\u0435\u0442</p>")
+
+
+def codecs_bom(codec: str) -> bytes:
+    import codecs
+
+    return {"utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE}[codec]
