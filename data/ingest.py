@@ -113,13 +113,14 @@ class IngestSettings:
 # --- discovery -------------------------------------------------------------------------------
 
 
-def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False) -> list[Unit]:
+def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False, max_text_bytes: int = 16 << 20) -> list[Unit]:
     """Walk `sources` (folders, or single files) into units in a deterministic order.
 
     Hidden files and folders (dot-names) and the `exclude` paths (the build's own output) are
     skipped. Symlinked folders are not followed (they are reported). Media files that an HTML page
     or JSONL record in the same source references are not also made standalone documents unless
-    `standalone_referenced`."""
+    `standalone_referenced`. Memory stays bounded by `max_text_bytes` (--max-text-bytes): JSONL
+    files are streamed in chunks, and a longer line or HTML page is never held whole here."""
     excluded = {os.path.realpath(p) for p in exclude}
     units: list[Unit] = []
     hidden = 0
@@ -164,7 +165,7 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
         else:
             root = os.path.dirname(os.path.abspath(source))
             files = [os.path.basename(source)]
-        units.extend(_units_for_files(source, root, sorted(files), standalone_referenced))
+        units.extend(_units_for_files(source, root, sorted(files), standalone_referenced, max_text_bytes))
         units[first:] = [replace(u, label=label) for u in units[first:]]
     if hidden:
         log.info("skipped %d hidden files/folders (names starting with '.')", hidden)
@@ -172,7 +173,7 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
     return units
 
 
-def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool) -> list[Unit]:
+def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool, max_text_bytes: int) -> list[Unit]:
     fileset = set(files)
     units: list[Unit] = []
     referenced: set[str] = set()
@@ -196,9 +197,9 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
             media_units.append(Unit(source=source, root=root, rel=rel, kind="image" if ext in IMAGE_EXT else "video", sidecar=side))
         elif ext in HTML_EXT:
             units.append(Unit(source=source, root=root, rel=rel, kind="html"))
-            referenced |= _html_refs(root, full)
+            referenced |= _html_refs(root, full, max_text_bytes)
         elif ext in JSONL_EXT:
-            line_units, refs = _jsonl_units(source, root, rel)
+            line_units, refs = _jsonl_units(source, root, rel, max_text_bytes)
             units.extend(line_units)
             referenced |= refs
         elif name in CODE_NAMES:
@@ -254,10 +255,12 @@ def _real(path: str) -> str:
         return ""
 
 
-def _html_refs(root: str, full: str) -> set[str]:
+def _html_refs(root: str, full: str, limit: int) -> set[str]:
     try:
+        if os.path.getsize(full) > limit:
+            return set()  # the page is rejected as too-large when processed; never read it whole
         with open(full, "rb") as f:
-            data = f.read()
+            data = f.read(limit + 1)
         text = decode_text(data, TextPolicy(bad_utf8="replace", nul="strip", max_bytes=len(data) + 1), what="HTML page", html=True)
         segments, _ = extract_html(text)
     except Exception:  # noqa: BLE001 - the unit itself reports the problem when processed
@@ -266,7 +269,36 @@ def _html_refs(root: str, full: str) -> set[str]:
     return {_real(os.path.join(base, r)) for r in local_refs(segments) if not r.startswith("data:")} - {""}
 
 
-def _jsonl_units(source: str, root: str, rel: str) -> tuple[list[Unit], set[str]]:
+_CHUNK = 1 << 20
+
+
+def _iter_lines(f, limit: int):
+    """Yield (line number, byte offset, byte length, raw bytes or None) for each line of the binary
+    file `f`, reading it in chunks. A line longer than `limit` bytes (its newline included) yields
+    None instead of its bytes, and is never held whole: memory stays at a chunk plus `limit`."""
+    lineno, start, length, buf, too_long = 1, 0, 0, bytearray(), False
+    while True:
+        chunk = f.read(_CHUNK)
+        if not chunk:
+            break
+        pos = 0
+        while pos < len(chunk):
+            nl = chunk.find(b"\n", pos)
+            end = len(chunk) if nl < 0 else nl + 1
+            length += end - pos
+            if not too_long:
+                buf += chunk[pos:end]
+                if len(buf) > limit:
+                    too_long, buf = True, bytearray()
+            pos = end
+            if nl >= 0:
+                yield lineno, start, length, None if too_long else bytes(buf)
+                lineno, start, length, buf, too_long = lineno + 1, start + length, 0, bytearray(), False
+    if length:
+        yield lineno, start, length, None if too_long else bytes(buf)
+
+
+def _jsonl_units(source: str, root: str, rel: str, limit: int) -> tuple[list[Unit], set[str]]:
     full = os.path.join(root, rel)
     units, refs = [], set()
     base = os.path.dirname(full)
@@ -275,16 +307,17 @@ def _jsonl_units(source: str, root: str, rel: str) -> tuple[list[Unit], set[str]
     except OSError as err:
         return [Unit(source=source, root=root, rel=rel, kind="reject", code="unreadable", reason=f"cannot open JSONL file: {err.strerror}")], refs
     with f:
-        offset = 0
-        for lineno, raw in enumerate(f, start=1):
-            if raw.strip():
-                units.append(Unit(source=source, root=root, rel=rel, kind="jsonl", line=lineno, offset=offset, length=len(raw)))
+        for lineno, offset, length, raw in _iter_lines(f, limit):
+            if raw is None:
+                units.append(Unit(source=source, root=root, rel=rel, kind="reject", line=lineno, offset=offset, length=length, code="too-large",
+                                  reason=f"JSONL line {lineno} is {length} bytes, above --max-text-bytes {limit}; it was skipped without being loaded"))
+            elif raw.strip():
+                units.append(Unit(source=source, root=root, rel=rel, kind="jsonl", line=lineno, offset=offset, length=length))
                 try:
                     segments, _ = parse_input_document(json.loads(raw))
                     refs |= {_real(os.path.join(base, r)) for r in local_refs(segments)}
                 except Exception:  # noqa: BLE001 - reported when the line is processed
                     pass
-            offset += len(raw)
     return units, refs - {""}
 
 
@@ -373,6 +406,8 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         return segments, meta
     if k == "jsonl":
         real = real_file_inside(unit.root, os.path.join(unit.root, unit.rel), what="JSONL file")
+        if unit.length > st.text.max_bytes:  # discovery rejects these; a file grown since is caught here
+            raise Reject("too-large", f"JSONL line {unit.line} is {unit.length} bytes, above --max-text-bytes {st.text.max_bytes}")
         raw = _read_file(real, "JSONL file", unit.offset, unit.length)
         line = decode_text(raw, st.text, what=f"JSONL line {unit.line}")
         try:

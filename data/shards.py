@@ -221,7 +221,7 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
         "standalone_referenced": standalone_referenced,
         **ingest.to_dict(),
     }
-    units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced)
+    units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes)
     if part[1] > 1:
         units = [u for u in units if int(u.key, 16) % part[1] == part[0]]
     log.info("found %d inputs%s in %.1fs", len(units), f" for part {part[0]}/{part[1]}" if part[1] > 1 else "", time.perf_counter() - t0)

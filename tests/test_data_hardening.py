@@ -255,3 +255,39 @@ def codecs_bom(codec: str) -> bytes:
     import codecs
 
     return {"utf-16-le": codecs.BOM_UTF16_LE, "utf-16-be": codecs.BOM_UTF16_BE}[codec]
+
+
+# --- item 12: a huge JSONL line is skipped without being loaded ------------------------------------
+
+
+def test_a_huge_jsonl_line_is_rejected_without_loading_it(tmp_path):
+    import tracemalloc
+
+    from omniloom.data.ingest import IngestSettings
+    from omniloom.data.validate import TextPolicy
+
+    src = tmp_path / "src"
+    src.mkdir()
+    line = lambda text: json.dumps({"schema": 1, "segments": [{"type": "text", "text": text}]}).encode() + b"\n"  # noqa: E731
+    huge = 12 << 20
+    with open(src / "docs.jsonl", "wb") as f:
+        f.write(line("first"))
+        f.write(b'{"schema": 1, "segments": [{"type": "text", "text": "')
+        for _ in range(huge >> 20):
+            f.write(b"x" * (1 << 20))
+        f.write(b'"}]}')  # no newline: the huge line is also the last
+    with open(src / "docs.jsonl", "rb+") as f:  # a line after it too
+        f.seek(0, 2)
+        f.write(b"\n" + line("last"))
+    limit = 1 << 20
+    tracemalloc.start()
+    try:
+        s = build([str(src)], str(tmp_path / "out"), progress=False, ingest=IngestSettings(text=TextPolicy(max_bytes=limit)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert s["documents"] == 2 and s["rejects"] == {"too-large": 1}
+    assert peak < 4 * limit, f"peak {peak / 1e6:.1f} MB while reading a {huge / 1e6:.0f} MB line with --max-text-bytes {limit}"
+    (rej,) = _rejects(tmp_path / "out")
+    assert rej["path"].endswith("docs.jsonl:2") and "above --max-text-bytes" in rej["reason"]
+    assert [d["segments"][0]["text"] for d in _docs(tmp_path / "out")] == ["first", "last"]
