@@ -291,3 +291,68 @@ def test_a_huge_jsonl_line_is_rejected_without_loading_it(tmp_path):
     (rej,) = _rejects(tmp_path / "out")
     assert rej["path"].endswith("docs.jsonl:2") and "above --max-text-bytes" in rej["reason"]
     assert [d["segments"][0]["text"] for d in _docs(tmp_path / "out")] == ["first", "last"]
+
+
+# --- item 7: a video whose container promises more than it holds is flagged ----------------------
+
+_CONTAINERS = [
+    ("clip.mp4", dict(faststart=True)),  # MP4 with its index first: frame count declared
+    ("clip_a.mp4", dict(faststart=True, audio=True)),
+    ("clip.mkv", dict(codec="vp9", audio=True)),  # Matroska: duration in the header
+    ("clip.webm", dict(codec="vp9")),
+    ("clip25.mkv", dict(codec="mpeg4", audio=True, fps=25)),  # audio padded past the video
+    ("clip.avi", dict(codec="mjpeg")),  # AVI: frame count declared
+    ("clip_a.avi", dict(codec="mpeg4", audio=True, fps=24)),  # AVI counting skipped frame slots
+    ("clip.flv", dict(codec="flv")),  # FLV: duration in onMetaData
+]
+
+
+def test_truncated_videos_are_rejected_and_complete_ones_kept(tmp_path):
+    from omniloom.data.media import MediaLimits, validate_video
+    from omniloom.data.validate import Reject
+
+    for name, kw in _CONTAINERS:
+        full = make_video(tmp_path / name, frames=48, size=(32, 32), **kw).read_bytes()
+        validate_video(full, MediaLimits())  # complete: accepted
+        cut = full[: int(len(full) * 0.93)]
+        try:
+            info = validate_video(cut, MediaLimits())
+        except Reject as rej:
+            assert rej.code in ("truncated-video", "no-video-stream", "not-a-video"), (name, rej.code)
+        else:
+            raise AssertionError(f"{name} cut at 93% was accepted: {info}")
+
+
+def test_verify_flags_a_truncated_video_inside_a_shard(tmp_path, capsys, monkeypatch):
+    """The issue's case: 44 of 48 frames present. A build that lets it through (here: validation
+    stubbed out, as an older omniloom would have) fails `data verify`."""
+    import omniloom.data.ingest as ingest
+    from omniloom.pretrain.cli import main
+
+    import io
+
+    import av
+
+    full = make_video(tmp_path / "full.mp4", frames=48, size=(32, 32), faststart=True).read_bytes()
+    with av.open(io.BytesIO(full)) as c:
+        pos = [p.pos for p in c.demux(c.streams.video[0]) if p.size]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "cut.mp4").write_bytes(full[: pos[44]])  # exactly 44 of the 48 frames left
+    s = build([str(src)], str(tmp_path / "a"), progress=False)
+    assert s["documents"] == 0 and s["rejects"] == {"truncated-video": 1}
+    assert "48 video frames" in _rejects(tmp_path / "a")[0]["reason"]
+    real = ingest.validate_video
+
+    def lenient(data, limits):
+        try:
+            return real(data, limits)
+        except Exception:  # noqa: BLE001
+            return {"ext": "mp4", "frames": 48}
+
+    monkeypatch.setattr(ingest, "validate_video", lenient)
+    assert build([str(src)], str(tmp_path / "b"), progress=False)["documents"] == 1
+    monkeypatch.setattr(ingest, "validate_video", real)
+    capsys.readouterr()
+    assert main(["-q", "data", "verify", str(tmp_path / "b")]) == 1
+    assert "vid0.mp4 does not decode" in capsys.readouterr().out
