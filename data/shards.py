@@ -222,17 +222,23 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
         **ingest.to_dict(),
     }
     units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes)
+    order = None  # part builds: each unit's index in the whole input set, for dedup across parts in `merge`
+    whole = None
     if part[1] > 1:
-        units = [u for u in units if int(u.key, 16) % part[1] == part[0]]
+        whole = {"units": len(units), "sha256": _set_digest(units)}
+        order = [j for j, u in enumerate(units) if int(u.key, 16) % part[1] == part[0]]
+        units = [units[j] for j in order]
     log.info("found %d inputs%s in %.1fs", len(units), f" for part {part[0]}/{part[1]}" if part[1] > 1 else "", time.perf_counter() - t0)
     header = {"journal": 1, "settings": settings, "units": len(units), "units_sha256": _units_digest(units)}
+    if whole is not None:
+        header["set"] = whole
     if overwrite:
         _remove_outputs(out, name)
     elif os.path.exists(os.path.join(out, MANIFEST)) and not os.path.exists(os.path.join(out, JOURNAL)):
         man = read_manifest(out)
         if man.get("settings") != settings:
             raise ValueError(f"{out} already holds a finished build with different settings; choose another --out or pass --overwrite")
-        if man.get("inputs") != {"units": header["units"], "sha256": header["units_sha256"]}:
+        if man.get("inputs") != _inputs(header):
             raise ValueError(f"{out} already holds a finished build, but the inputs changed since (files added, removed or resized); pass --overwrite to rebuild")
         log.info("%s is already complete (same settings and inputs); nothing to do", out)
         return {"complete": True, "already": True, "documents": man["totals"]["documents"], "shards": len(man["shards"]), "seconds": 0.0}
@@ -275,6 +281,10 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
                     if final_size(size) > shard_max_bytes:
                         log.warning("%s: one document (%d bytes) is larger than --shard-size; it gets a shard of its own", units[i].display, size)
                 writer.add_sample(res["key"], members)
+                if order is not None and dedup:
+                    # What `merge` needs to drop duplicates across parts the way one build would:
+                    # the content hash, and the input's place in the whole set (the first wins).
+                    writer.samples[-1].update(fp=res["fingerprint"], unit=order[i])
                 if pause:
                     writer.f.flush()
                     time.sleep(pause)
@@ -351,6 +361,23 @@ def _units_digest(units: list[Unit]) -> str:
     return h.hexdigest()
 
 
+def _set_digest(units: list[Unit]) -> str:
+    """Identity of the whole input set of a part build (names and kinds; no stat calls): parts that
+    agree on it number their inputs alike, which `merge` relies on."""
+    h = hashlib.sha256()
+    for u in units:
+        h.update(f"{u.uid}\t{u.kind}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def _inputs(header: dict) -> dict:
+    """The manifest's `inputs`: this build's input count and digest (and for a part, the whole set's)."""
+    inputs = {"units": header["units"], "sha256": header["units_sha256"]}
+    if "set" in header:
+        inputs["set"] = header["set"]
+    return inputs
+
+
 def _open_journal(out: str, header: dict) -> list[dict]:
     """Return the completed records of a matching journal (starting one if there is none).
     A torn last line (kill -9 mid-write) is dropped."""
@@ -423,7 +450,7 @@ def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed
         "totals": totals,
         "rejects": {"total": sum(codes.values()), "by_code": dict(sorted(codes.items()))},
         "settings": settings,
-        "inputs": {"units": header["units"], "sha256": header["units_sha256"]},
+        "inputs": _inputs(header),
     }
     write_json_atomic(os.path.join(out, MANIFEST), manifest)
     os.unlink(path)

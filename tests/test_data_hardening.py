@@ -356,3 +356,53 @@ def test_verify_flags_a_truncated_video_inside_a_shard(tmp_path, capsys, monkeyp
     capsys.readouterr()
     assert main(["-q", "data", "verify", str(tmp_path / "b")]) == 1
     assert "vid0.mp4 does not decode" in capsys.readouterr().out
+
+
+# --- item 10: part builds plus a merge hold the same documents as one build -----------------------
+
+
+def _by_key(out: Path) -> dict[str, dict[str, bytes]]:
+    docs = {}
+    for shard in read_manifest(out)["shards"]:
+        for smp in shard["samples"]:
+            key, members = iter_sample_at(out / shard["name"], smp["offset"])
+            docs[key] = members
+    return docs
+
+
+def test_parts_plus_merge_drop_the_duplicates_a_single_build_drops(tmp_path, capsys):
+    from omniloom.data.merge import merge
+    from omniloom.data.synth import make_image
+    from omniloom.pretrain.cli import main
+
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    for i in range(20):  # the case: 20 identical files (two distinct texts, 10 copies each)
+        (src / f"same{i:02d}.txt").write_text("the same words\n" if i % 2 else "other  words\n")
+    for i in range(6):
+        (src / "sub" / f"u{i}.txt").write_text(f"unique {i}\n")
+        make_image(src / "sub" / f"img{i % 2}_{i}.png", size=(32, 32), seed=i % 2)  # two distinct images, 3 copies each
+    one = build([str(src)], str(tmp_path / "one"), shard_max_docs=3, progress=False)
+    assert one["documents"] == 2 + 6 + 2 and one["rejects"] == {"duplicate": 22}
+    parts = []
+    for i in range(4):
+        build([str(src)], str(tmp_path / f"p{i}"), part=(i, 4), shard_max_docs=3, progress=False)
+        parts.append(str(tmp_path / f"p{i}"))
+    res = merge(parts, str(tmp_path / "merged"))
+    merged, single = _by_key(tmp_path / "merged"), _by_key(tmp_path / "one")
+    assert res["documents"] == one["documents"] and merged == single  # same keys, same bytes
+    man, man1 = read_manifest(tmp_path / "merged"), read_manifest(tmp_path / "one")
+    assert man["totals"]["segments"] == man1["totals"]["segments"] and man["totals"]["media_bytes"] == man1["totals"]["media_bytes"]
+    assert man["rejects"]["by_code"] == {"duplicate": 22} and len(_rejects(tmp_path / "merged")) == 22
+    assert all(set(smp) == {"key", "offset"} for sh in man["shards"] for smp in sh["samples"])
+    capsys.readouterr()
+    assert main(["-q", "data", "verify", str(tmp_path / "merged")]) == 0, capsys.readouterr().out
+    # --mode move leaves nothing behind that the merged set needs, and gives the same documents.
+    moved = []
+    for i in range(4):
+        build([str(src)], str(tmp_path / f"m{i}"), part=(i, 4), shard_max_docs=3, progress=False)
+        moved.append(str(tmp_path / f"m{i}"))
+    merge(moved, str(tmp_path / "merged2"), mode="move")
+    assert _by_key(tmp_path / "merged2") == single
+    assert not [f for d in moved for f in os.listdir(d) if f.endswith(".tar")]
+    assert main(["-q", "data", "verify", str(tmp_path / "merged2")]) == 0
