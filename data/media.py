@@ -258,7 +258,8 @@ def _check_complete(container, per_stream: dict[int, int], *, last_corrupt: dict
     stream must reach it within 1.5 packet durations (the longer of a video frame and an audio
     packet: encoders pad audio by a frame) or 1%, whichever is larger. Streams that promise
     nothing (MPEG-TS, raw streams) can only be checked by (2)."""
-    for st in container.streams:
+    av_streams = [st for st in container.streams if st.type in ("video", "audio")]  # not timecode/data tracks
+    for st in av_streams:
         declared, got = int(st.frames or 0), per_stream.get(st.index, 0)
         if declared and declared - got > declared // 100:
             if st.duration and st.time_base:
@@ -271,7 +272,7 @@ def _check_complete(container, per_stream: dict[int, int], *, last_corrupt: dict
                 "truncated-video",
                 f"the index declares {declared} {st.type} frames but only {got} are in the file: it is truncated; re-download or re-encode it",
             )
-    for st in container.streams:
+    for st in av_streams:
         if last_corrupt.get(st.index):
             raise Reject("truncated-video", f"the last {st.type} packet is cut short or corrupt: the file is truncated; re-download or re-encode it")
     if container.format.name in _HEADER_DURATION and container.duration:

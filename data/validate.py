@@ -151,9 +151,13 @@ def printable(s: str) -> str:
 
 
 def json_safe(obj):
-    """`obj` with every string (dict keys too) made `printable`, so it encodes as valid UTF-8."""
+    """`obj` with every string (dict keys too) made `printable`, so it encodes as valid UTF-8, and
+    every non-finite float as None, so it encodes as strict JSON (input JSON is already counted by
+    `loads_finite`; this is the guard for values computed from media)."""
     if isinstance(obj, str):
         return printable(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
     if isinstance(obj, dict):
         return {json_safe(k): json_safe(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
