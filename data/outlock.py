@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 import time
 
 LOCK = ".omniloom.lock"
+log = logging.getLogger(__name__)
 
 
 class OutputLocked(ValueError):
@@ -35,6 +37,11 @@ class OutputLock:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
+                if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    # Some network file systems have no lock service: build unprotected, say so.
+                    log.warning("cannot lock %s (%s): make sure no other build writes there at the same time", directory, err.strerror)
+                    self.fd = fd
+                    return
                 os.close(fd)
                 if err.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
