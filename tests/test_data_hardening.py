@@ -406,3 +406,16 @@ def test_parts_plus_merge_drop_the_duplicates_a_single_build_drops(tmp_path, cap
     assert _by_key(tmp_path / "merged2") == single
     assert not [f for d in moved for f in os.listdir(d) if f.endswith(".tar")]
     assert main(["-q", "data", "verify", str(tmp_path / "merged2")]) == 0
+
+
+def test_part_builds_are_byte_identical_for_any_worker_count(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"t{i:02d}.txt").write_text(f"text {i % 5}\n")
+    for w in (1, 2):
+        build([str(src)], str(tmp_path / f"w{w}"), part=(1, 2), workers=w, shard_max_docs=2, progress=False)
+    names = sorted(os.listdir(tmp_path / "w1"))
+    assert names == sorted(os.listdir(tmp_path / "w2")) and "manifest.json" in names
+    for name in names:
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
