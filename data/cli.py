@@ -38,7 +38,9 @@ policies:
 output: DIR/NAME-000000.tar ... (WebDataset, one sample per document), DIR/manifest.json,
 DIR/rejects.jsonl. Same inputs and settings give byte-identical shards for any --workers.
 Interrupted (even kill -9)? Run the same command again: it resumes after the last finished shard.
-Many machines? Run `--part I/N --out DIR_I` for I = 0..N-1, then `omniloom data merge DIR_* --out DIR`.
+Many machines? Run `--part I/N --out DIR_I` for I = 0..N-1, then `omniloom data merge DIR_* --out DIR`
+(merge drops duplicates across parts, so the result holds what one build would).
+A build locks DIR (a second build into it is refused), and exits 2 if it wrote no documents.
 """
 
 
@@ -111,7 +113,7 @@ def register(sub) -> None:
     s.set_defaults(func=_stats)
 
     v = dsub.add_parser("verify", help="check checksums, sample listing and decodability (exit 1 on problems)",
-                        description="Check every shard's size and sha256, that each sample is listed at its offset, that every doc.json is valid and its media decode. Exits 1 if anything is wrong.")
+                        description="Check every shard's size and sha256, that each sample is listed at its offset, that every doc.json is valid and its media decode. Exits 1 if anything is wrong, an empty set included.")
     v.add_argument("dir", metavar="DIR")
     v.add_argument("--no-media", action="store_true", help="skip decoding images and videos (faster)")
     v.set_defaults(func=_verify)
