@@ -24,7 +24,11 @@ inputs:
   (--standalone-referenced changes that; otherwise its caption sidecar is listed in rejects.jsonl).
 
 policies:
-  text must be UTF-8 (--bad-utf8), NUL bytes reject the file (--nul); a UTF-8 BOM is removed.
+  text is UTF-8 unless a BOM (UTF-8/16/32) or, for HTML, a declared charset (<meta charset>,
+  http-equiv Content-Type, <?xml encoding>) says otherwise; nothing is guessed. Bytes that do not
+  decode follow --bad-utf8; NUL bytes reject the file (--nul).
+  file names that are not UTF-8 are kept, written in JSON with each undecodable byte as \\xNN.
+  NaN/Infinity in JSONL or sidecar JSON become null (counted as non-finite-number).
   media references must stay inside their SOURCE folder (no '..', no symlinks out).
   a document with a bad media segment keeps the rest (--on-bad-media drop-segment) or is dropped.
   exact duplicates (same prose up to whitespace, same code byte for byte, same media bytes) are
@@ -34,7 +38,9 @@ policies:
 output: DIR/NAME-000000.tar ... (WebDataset, one sample per document), DIR/manifest.json,
 DIR/rejects.jsonl. Same inputs and settings give byte-identical shards for any --workers.
 Interrupted (even kill -9)? Run the same command again: it resumes after the last finished shard.
-Many machines? Run `--part I/N --out DIR_I` for I = 0..N-1, then `omniloom data merge DIR_* --out DIR`.
+Many machines? Run `--part I/N --out DIR_I` for I = 0..N-1, then `omniloom data merge DIR_* --out DIR`
+(merge drops duplicates across parts, so the result holds what one build would).
+A build locks DIR (a second build into it is refused), and exits 2 if it wrote no documents.
 """
 
 
@@ -107,7 +113,7 @@ def register(sub) -> None:
     s.set_defaults(func=_stats)
 
     v = dsub.add_parser("verify", help="check checksums, sample listing and decodability (exit 1 on problems)",
-                        description="Check every shard's size and sha256, that each sample is listed at its offset, that every doc.json is valid and its media decode. Exits 1 if anything is wrong.")
+                        description="Check every shard's size and sha256, that each sample is listed at its offset, that every doc.json is valid and its media decode. Exits 1 if anything is wrong, an empty set included.")
     v.add_argument("dir", metavar="DIR")
     v.add_argument("--no-media", action="store_true", help="skip decoding images and videos (faster)")
     v.set_defaults(func=_verify)
@@ -163,6 +169,17 @@ def _build(args) -> int:
         standalone_referenced=args.standalone_referenced, overwrite=args.overwrite, progress=_progress(args),
     )
     print(format_summary(args.out, summary))
+    if summary["documents"] == 0:
+        # Nothing to train on is a failed build, even though every input was handled: a pipeline
+        # must not go on to train on an empty set. One part of a --part build may be empty (few
+        # inputs, many parts); `data merge` refuses if all of them are.
+        part = parse_part(args.part)
+        if part[1] > 1:
+            print(f"omniloom: warning: part {part[0]}/{part[1]} holds no documents; `data merge` needs the other parts to hold some", file=sys.stderr)
+            return 0
+        print(f"omniloom: error: the build wrote no documents (every input was rejected or a duplicate, or none was found); "
+              f"see {args.out}/rejects.jsonl", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -189,6 +206,9 @@ def _merge(args) -> int:
 
     r = merge(args.parts, args.out, mode=args.mode, name=args.name, allow_missing=args.allow_missing)
     print(f"{args.out}: merged {r['parts']} parts -> {r['shards']} shards, {r['documents']} documents, {r['bytes'] / 1e6:.2f} MB")
+    if r["documents"] == 0:
+        print(f"omniloom: error: the merged set holds no documents; see the parts' rejects.jsonl", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -24,8 +24,12 @@ from .media import MediaLimits, validate_image, validate_video
 from .validate import (
     Reject,
     TextPolicy,
+    check_unicode_text,
     decode_text,
+    decode_text_info,
     document_fingerprint,
+    json_safe,
+    loads_finite,
     parse_input_document,
     real_file_inside,
     resolve_inside,
@@ -49,7 +53,9 @@ CODE_EXT = {
     ".hs": "haskell", ".ml": "ocaml", ".css": "css", ".proto": "protobuf", ".cmake": "cmake",
 }
 CODE_NAMES = {"Makefile": "makefile", "Dockerfile": "dockerfile", "CMakeLists.txt": "cmake"}
-# Note: ".ts" is TypeScript unless PyAV says it is an MPEG transport stream (see _classify).
+# Note: ".ts" is TypeScript unless its head is an MPEG transport stream (see _looks_like_text).
+_TS_PACKET = 188
+_TS_SNIFF_PACKETS = 5
 CAPTION_KEYS = ("caption", "text", "alt", "title", "description")
 
 
@@ -107,13 +113,14 @@ class IngestSettings:
 # --- discovery -------------------------------------------------------------------------------
 
 
-def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False) -> list[Unit]:
+def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False, max_text_bytes: int = 16 << 20) -> list[Unit]:
     """Walk `sources` (folders, or single files) into units in a deterministic order.
 
     Hidden files and folders (dot-names) and the `exclude` paths (the build's own output) are
     skipped. Symlinked folders are not followed (they are reported). Media files that an HTML page
     or JSONL record in the same source references are not also made standalone documents unless
-    `standalone_referenced`."""
+    `standalone_referenced`. Memory stays bounded by `max_text_bytes` (--max-text-bytes): JSONL
+    files are streamed in chunks, and a longer line or HTML page is never held whole here."""
     excluded = {os.path.realpath(p) for p in exclude}
     units: list[Unit] = []
     hidden = 0
@@ -158,7 +165,7 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
         else:
             root = os.path.dirname(os.path.abspath(source))
             files = [os.path.basename(source)]
-        units.extend(_units_for_files(source, root, sorted(files), standalone_referenced))
+        units.extend(_units_for_files(source, root, sorted(files), standalone_referenced, max_text_bytes))
         units[first:] = [replace(u, label=label) for u in units[first:]]
     if hidden:
         log.info("skipped %d hidden files/folders (names starting with '.')", hidden)
@@ -166,7 +173,7 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
     return units
 
 
-def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool) -> list[Unit]:
+def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool, max_text_bytes: int) -> list[Unit]:
     fileset = set(files)
     units: list[Unit] = []
     referenced: set[str] = set()
@@ -190,9 +197,9 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
             media_units.append(Unit(source=source, root=root, rel=rel, kind="image" if ext in IMAGE_EXT else "video", sidecar=side))
         elif ext in HTML_EXT:
             units.append(Unit(source=source, root=root, rel=rel, kind="html"))
-            referenced |= _html_refs(root, full)
+            referenced |= _html_refs(root, full, max_text_bytes)
         elif ext in JSONL_EXT:
-            line_units, refs = _jsonl_units(source, root, rel)
+            line_units, refs = _jsonl_units(source, root, rel, max_text_bytes)
             units.extend(line_units)
             referenced |= refs
         elif name in CODE_NAMES:
@@ -222,12 +229,23 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
 
 
 def _looks_like_text(path: str) -> bool:
+    """A `.ts` file is TypeScript (code) unless it is an MPEG transport stream. Text that decodes
+    wins; otherwise it is a transport stream only if the 0x47 sync byte starts every 188-byte packet
+    of its head (one byte alone is a `G`, as in `GLOBAL = 1;`)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(4)
+            head = f.read(_TS_PACKET * _TS_SNIFF_PACKETS)
     except OSError:
         return False
-    return not head.startswith(b"\x47")  # MPEG-TS packets start with the 0x47 sync byte
+    if b"\x00" not in head:
+        try:
+            head.decode("utf-8")
+            return True
+        except UnicodeDecodeError as err:
+            if err.start >= len(head) - 3 and err.reason == "unexpected end of data":
+                return True  # a multi-byte character cut by the sniff window
+    strides = range(0, len(head), _TS_PACKET)
+    return not all(head[i] == 0x47 for i in strides)
 
 
 def _real(path: str) -> str:
@@ -237,10 +255,13 @@ def _real(path: str) -> str:
         return ""
 
 
-def _html_refs(root: str, full: str) -> set[str]:
+def _html_refs(root: str, full: str, limit: int) -> set[str]:
     try:
+        if os.path.getsize(full) > limit:
+            return set()  # the page is rejected as too-large when processed; never read it whole
         with open(full, "rb") as f:
-            text = f.read().decode("utf-8", errors="replace")
+            data = f.read(limit + 1)
+        text = decode_text(data, TextPolicy(bad_utf8="replace", nul="strip", max_bytes=len(data) + 1), what="HTML page", html=True)
         segments, _ = extract_html(text)
     except Exception:  # noqa: BLE001 - the unit itself reports the problem when processed
         return set()
@@ -248,7 +269,36 @@ def _html_refs(root: str, full: str) -> set[str]:
     return {_real(os.path.join(base, r)) for r in local_refs(segments) if not r.startswith("data:")} - {""}
 
 
-def _jsonl_units(source: str, root: str, rel: str) -> tuple[list[Unit], set[str]]:
+_CHUNK = 1 << 20
+
+
+def _iter_lines(f, limit: int):
+    """Yield (line number, byte offset, byte length, raw bytes or None) for each line of the binary
+    file `f`, reading it in chunks. A line longer than `limit` bytes (its newline included) yields
+    None instead of its bytes, and is never held whole: memory stays at a chunk plus `limit`."""
+    lineno, start, length, buf, too_long = 1, 0, 0, bytearray(), False
+    while True:
+        chunk = f.read(_CHUNK)
+        if not chunk:
+            break
+        pos = 0
+        while pos < len(chunk):
+            nl = chunk.find(b"\n", pos)
+            end = len(chunk) if nl < 0 else nl + 1
+            length += end - pos
+            if not too_long:
+                buf += chunk[pos:end]
+                if len(buf) > limit:
+                    too_long, buf = True, bytearray()
+            pos = end
+            if nl >= 0:
+                yield lineno, start, length, None if too_long else bytes(buf)
+                lineno, start, length, buf, too_long = lineno + 1, start + length, 0, bytearray(), False
+    if length:
+        yield lineno, start, length, None if too_long else bytes(buf)
+
+
+def _jsonl_units(source: str, root: str, rel: str, limit: int) -> tuple[list[Unit], set[str]]:
     full = os.path.join(root, rel)
     units, refs = [], set()
     base = os.path.dirname(full)
@@ -257,16 +307,17 @@ def _jsonl_units(source: str, root: str, rel: str) -> tuple[list[Unit], set[str]
     except OSError as err:
         return [Unit(source=source, root=root, rel=rel, kind="reject", code="unreadable", reason=f"cannot open JSONL file: {err.strerror}")], refs
     with f:
-        offset = 0
-        for lineno, raw in enumerate(f, start=1):
-            if raw.strip():
-                units.append(Unit(source=source, root=root, rel=rel, kind="jsonl", line=lineno, offset=offset, length=len(raw)))
+        for lineno, offset, length, raw in _iter_lines(f, limit):
+            if raw is None:
+                units.append(Unit(source=source, root=root, rel=rel, kind="reject", line=lineno, offset=offset, length=length, code="too-large",
+                                  reason=f"JSONL line {lineno} is {length} bytes, above --max-text-bytes {limit}; it was skipped without being loaded"))
+            elif raw.strip():
+                units.append(Unit(source=source, root=root, rel=rel, kind="jsonl", line=lineno, offset=offset, length=length))
                 try:
                     segments, _ = parse_input_document(json.loads(raw))
                     refs |= {_real(os.path.join(base, r)) for r in local_refs(segments)}
                 except Exception:  # noqa: BLE001 - reported when the line is processed
                     pass
-            offset += len(raw)
     return units, refs - {""}
 
 
@@ -289,6 +340,10 @@ def process_unit(unit: Unit, settings: IngestSettings) -> dict:
         log.debug("unexpected error on %s", unit.display, exc_info=True)
         out["doc"], out["members"] = None, []
         out["rejects"].append(_reject(unit, Reject("error", f"unexpected {type(err).__name__}: {err}"), action="dropped-doc"))
+    # File names that are not UTF-8 (and stray surrogates in JSON input) are escaped here, in the
+    # worker, so every JSON the build writes is valid UTF-8 (see validate.printable).
+    out["doc"] = json_safe(out["doc"])
+    out["rejects"] = json_safe(out["rejects"])
     return out
 
 
@@ -332,7 +387,7 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         segments = [{"type": kind, "path": unit.rel, "_abs": real, "_standalone": True}]
         if unit.sidecar:
             try:
-                caption, side_meta = _read_sidecar(unit, st)
+                caption, side_meta = _read_sidecar(unit, st, rejects)
                 meta["caption_source"] = unit.sidecar
                 if side_meta:
                     meta["sidecar"] = side_meta
@@ -343,18 +398,28 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         return segments, meta
     if k == "html":
         data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what="HTML page")
-        segments, page_meta = extract_html(decode_text(data, st.text, what="HTML page"))
+        text, encoding = decode_text_info(data, st.text, what="HTML page", html=True)
+        segments, page_meta = extract_html(text)
         meta.update(page_meta)
+        if encoding != "utf-8":
+            meta["encoding"] = encoding  # provenance: the page was not UTF-8
         return segments, meta
     if k == "jsonl":
         real = real_file_inside(unit.root, os.path.join(unit.root, unit.rel), what="JSONL file")
+        if unit.length > st.text.max_bytes:  # discovery rejects these; a file grown since is caught here
+            raise Reject("too-large", f"JSONL line {unit.line} is {unit.length} bytes, above --max-text-bytes {st.text.max_bytes}")
         raw = _read_file(real, "JSONL file", unit.offset, unit.length)
         line = decode_text(raw, st.text, what=f"JSONL line {unit.line}")
         try:
-            obj = json.loads(line)
+            obj, nulled = loads_finite(line)
         except json.JSONDecodeError as err:
             raise Reject("bad-json", f"line {unit.line} is not valid JSON ({err.msg} at column {err.colno}); fix or remove the line") from None
+        if nulled:
+            rejects.append(_reject(unit, _nonfinite(nulled, f"line {unit.line}"), action="nulled-values"))
         segments, rec_meta = parse_input_document(obj)
+        for i, seg in enumerate(segments):
+            if seg["type"] in ("text", "code"):
+                seg["text"] = check_unicode_text(seg["text"], st.text, what=f"line {unit.line} segment {i}")
         meta.update({k2: v for k2, v in rec_meta.items() if k2 != "source"})
         if "source" in rec_meta:
             meta["original_source"] = rec_meta["source"]
@@ -362,15 +427,22 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
     raise AssertionError(f"unknown unit kind {k}")
 
 
-def _read_sidecar(unit: Unit, st: IngestSettings) -> tuple[str, dict]:
+def _nonfinite(n: int, where: str) -> Reject:
+    return Reject("non-finite-number", f"{where} holds {n} NaN/Infinity value(s), which strict JSON has no form for; "
+                  "written as null, the rest of the document kept")
+
+
+def _read_sidecar(unit: Unit, st: IngestSettings, rejects: list) -> tuple[str, dict]:
     data = _read_checked(unit, unit.sidecar, limit=st.text.max_bytes, what="caption sidecar")
     text = decode_text(data, st.text, what="caption sidecar")
     if unit.sidecar.endswith(".txt"):
         return text.strip(), {}
     try:
-        obj = json.loads(text)
+        obj, nulled = loads_finite(text)
     except json.JSONDecodeError as err:
         raise Reject("bad-json", f"caption sidecar {unit.sidecar} is not valid JSON ({err.msg})") from None
+    if nulled:
+        rejects.append(_reject(unit, _nonfinite(nulled, f"caption sidecar {unit.sidecar}"), action="nulled-values", ref=unit.sidecar))
     if not isinstance(obj, dict):
         raise Reject("schema", f"caption sidecar {unit.sidecar} must hold a JSON object")
     caption = next((obj[k] for k in CAPTION_KEYS if isinstance(obj.get(k), str) and obj[k].strip()), "")

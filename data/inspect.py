@@ -282,6 +282,8 @@ def verify(directory: str, *, media: bool = True, progress: bool = False, max_pr
     for t in ("text", "code", "image", "video"):
         if seg_totals.get(t, 0) != totals["segments"].get(t, 0):
             problem(f"totals.segments.{t} is {totals['segments'].get(t, 0)} but the shards hold {seg_totals.get(t, 0)}")
+    if not counts["documents"] and not totals["documents"]:
+        problem("the set is empty: the manifest lists no documents (nothing to train on)")
     counts["shards"] = len(man["shards"])
     return problems, dict(counts)
 

@@ -55,7 +55,7 @@ def write_json_atomic(path: str | os.PathLike, obj, *, indent: int | None = 1) -
     path = os.fspath(path)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=indent, ensure_ascii=False)
+        json.dump(obj, f, indent=indent, ensure_ascii=False, allow_nan=False)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())

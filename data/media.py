@@ -2,9 +2,10 @@
 
 Images: header read, pixel-count (decompression bomb) limit checked *before* decoding, then a full
 decode of every frame with `img.load()`, then minimum side and aspect-ratio limits. Videos: opened
-with PyAV, a video stream must exist and yield a decoded frame, the whole stream is demuxed so a
-truncated index or missing data is caught, duration is taken from the container or estimated from
-packet timestamps, and duration and resolution must be within limits.
+with PyAV, a video stream must exist and yield a decoded frame, the whole file is demuxed and must
+hold what its container promises (`_check_complete`: frame counts, last packets, header duration),
+duration is taken from the container or estimated from packet timestamps, and duration and
+resolution must be within limits.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def validate_video(data: bytes, limits: MediaLimits) -> dict:
             raise Reject("no-video-stream", "container has no video stream")
         stream = container.streams.video[0]
         cc = stream.codec_context
+        if cc is None:  # a cut index can leave the stream without codec parameters
+            raise Reject("corrupt-video", "the video stream has no usable codec parameters: the index is truncated or corrupt")
         width, height = cc.width, cc.height
         codec = cc.name
         declared_frames = int(stream.frames or 0)
@@ -131,8 +134,19 @@ def validate_video(data: bytes, limits: MediaLimits) -> dict:
         decode_errors = 0
         max_end = None
         min_pts = None
+        last_corrupt: dict[int, bool] = {}  # per stream: is its last packet cut short?
+        ends = _StreamEnds()  # where each stream's data ends, against the duration the header promises
+        per_stream: dict[int, int] = {}  # packets per stream index, against each stream's declared count
         try:
-            for packet in container.demux(stream):
+            # Every stream is demuxed (audio packets are cheap) so the end of the data can be set
+            # against the duration the container header promises (`_check_complete`).
+            for packet in container.demux():
+                ends.add(packet)
+                if packet.size or packet.pts is not None:  # AVI's empty "dropped frame" chunks count; flush packets do not
+                    per_stream[packet.stream.index] = per_stream.get(packet.stream.index, 0) + 1
+                    last_corrupt[packet.stream.index] = packet.is_corrupt
+                if packet.stream.index != stream.index:
+                    continue
                 if packet.size == 0 and packet.pts is None:
                     if first is None:  # flush packet: drain the decoder for the first frame
                         first = _decode_first(stream, packet, first)
@@ -151,13 +165,9 @@ def validate_video(data: bytes, limits: MediaLimits) -> dict:
             raise Reject("corrupt-video", f"demuxing failed after {packets} packets ({_short(err)}): the index or data is truncated or corrupt") from None
         if first is None:
             raise Reject("no-frames", f"video stream ({codec}) yields no decodable frame ({packets} packets, {decode_errors} decode errors)")
-        if declared_frames and packets < 0.9 * declared_frames:
-            raise Reject(
-                "truncated-video",
-                f"index declares {declared_frames} frames but only {packets} packets can be read: file is truncated",
-            )
         width, height = width or first.width, height or first.height
         fps = float(stream.average_rate or stream.guessed_rate or 0) or None
+        _check_complete(container, per_stream, last_corrupt=last_corrupt, ends=ends, fps=fps)
         duration, source = None, None
         tb = stream.time_base
         if stream.duration and tb:
@@ -193,6 +203,87 @@ def validate_video(data: bytes, limits: MediaLimits) -> dict:
         "duration": round(duration, 3),
         "duration_source": source,
     }
+
+
+# Containers whose header states the duration (rather than FFmpeg estimating it from the data);
+# MP4/MOV and AVI state a frame count instead, which is checked first.
+_HEADER_DURATION = ("matroska,webm", "flv", "asf")
+
+
+class _StreamEnds:
+    """The time (seconds) at which the data of the longest stream ends: its last timestamp plus
+    one packet's duration. Containers often leave the last packet's duration unset (Matroska's
+    last audio block), so a missing duration is taken from the stream's other packets."""
+
+    def __init__(self):
+        self.state: dict[int, list] = {}  # index -> [max pts, last duration, min positive pts step, previous pts]
+
+    def add(self, packet) -> None:
+        tb = packet.stream.time_base
+        if packet.pts is None or not tb:
+            return
+        t = float(packet.pts * tb)
+        st = self.state.setdefault(packet.stream.index, [t, 0.0, 0.0, None])
+        st[0] = max(st[0], t)
+        if packet.duration:
+            st[1] = float(packet.duration * tb)
+        if st[3] is not None and t > st[3] and (not st[2] or t - st[3] < st[2]):
+            st[2] = t - st[3]
+        st[3] = t
+
+    def end(self, index: int | None = None) -> float:
+        """Where the data of stream `index` (default: the longest stream) ends."""
+        if index is not None:
+            m, d, step, _ = self.state.get(index, [0.0, 0.0, 0.0, None])
+            return m + (d or step)
+        return max((m + (d or step) for m, d, step, _ in self.state.values()), default=0.0)
+
+    def step(self, index: int) -> float:
+        _, d, step, _ = self.state.get(index, [0.0, 0.0, 0.0, None])
+        return d or step
+
+    def longest_packet(self) -> float:
+        """The longest packet duration of any stream (an AAC frame at 8 kHz is 0.128 s)."""
+        return max((d or step for _, d, step, _ in self.state.values()), default=0.0)
+
+
+def _check_complete(container, per_stream: dict[int, int], *, last_corrupt: dict[int, bool], ends: _StreamEnds, fps) -> None:
+    """Reject a video whose container promises more than its bytes hold (a truncated download).
+
+    The rule: (1) when the index declares a frame count for a stream (MP4, MOV, AVI; video and
+    audio alike), every frame must be there, with 1% slack for long streams (none under 100
+    frames), unless the stream's timestamps still reach its declared duration (AVI counts skipped
+    frame slots); (2) the last packet of every stream must not be cut short (FFmpeg flags it
+    corrupt); (3) when the header states a duration (Matroska/WebM, FLV, ASF), the data of some
+    stream must reach it within 1.5 packet durations (the longer of a video frame and an audio
+    packet: encoders pad audio by a frame) or 1%, whichever is larger. Streams that promise
+    nothing (MPEG-TS, raw streams) can only be checked by (2)."""
+    av_streams = [st for st in container.streams if st.type in ("video", "audio")]  # not timecode/data tracks
+    for st in av_streams:
+        declared, got = int(st.frames or 0), per_stream.get(st.index, 0)
+        if declared and declared - got > declared // 100:
+            if st.duration and st.time_base:
+                # AVI counts frame slots, some of them skipped: a stream whose timestamps reach its
+                # declared end holds everything, whatever the count.
+                promised = float(((st.start_time or 0) + st.duration) * st.time_base)
+                if ends.end(st.index) >= promised - 0.5 * ends.step(st.index) - 1e-6:
+                    continue
+            raise Reject(
+                "truncated-video",
+                f"the index declares {declared} {st.type} frames but only {got} are in the file: it is truncated; re-download or re-encode it",
+            )
+    for st in av_streams:
+        if last_corrupt.get(st.index):
+            raise Reject("truncated-video", f"the last {st.type} packet is cut short or corrupt: the file is truncated; re-download or re-encode it")
+    if container.format.name in _HEADER_DURATION and container.duration:
+        promised = container.duration / 1_000_000
+        data_end = ends.end()
+        slack = max(1.5 * max(1.0 / fps if fps else 0.1, ends.longest_packet()), 0.01 * promised)
+        if data_end < promised - slack:
+            raise Reject(
+                "truncated-video",
+                f"the header promises {promised:.3f}s but the data ends at {data_end:.3f}s: the file is truncated; re-download or re-encode it",
+            )
 
 
 def _decode_first(stream, packet, first):

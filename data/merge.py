@@ -4,16 +4,27 @@ Each part's shards are placed in the output folder under contiguous names `NAME-
 (in part order), by hard link (default; falls back to a copy across file systems), copy or move.
 Renaming does not change a tar's bytes (member names hold sample keys, not shard names), so the
 sha256 and sample offsets carry over unchanged. The manifest is written last.
+
+Duplicates across parts: each part drops exact duplicates only among its own inputs, so a merge
+drops the rest. A part build records each document's content hash and its input's place in the
+whole input set; of the documents that share a hash the merge keeps the one whose input comes
+first, which is the one a single build keeps, so part builds plus a merge hold the same documents
+as one build. A shard that loses documents is rewritten (deterministically) instead of linked.
 """
 
 from __future__ import annotations
 
 import errno
+import json
+import logging
 import os
 import shutil
 from collections import Counter
 
 from .manifest import MANIFEST, REJECTS, read_manifest, write_json_atomic
+from .outlock import OutputLock
+
+log = logging.getLogger(__name__)
 
 MODES = ("link", "copy", "move")
 
@@ -48,12 +59,21 @@ def merge(part_dirs: list[str], out: str, *, mode: str = "link", name: str | Non
         if i in seen_parts:
             raise ValueError(f"part {i} is given twice: {seen_parts[i]} and {d}")
         seen_parts[i] = d
+    sets = {json.dumps(man.get("inputs", {}).get("set"), sort_keys=True) for _, man in mans}
+    if len(sets) > 1:
+        raise ValueError("the parts were built from different input sets (files added or removed between part builds); "
+                         "rebuild every part from the same inputs")
     missing = sorted(set(range(n_parts)) - set(seen_parts))
     if missing and not allow_missing:
         raise ValueError(f"parts {missing} of {n_parts} are missing; build them first or pass --allow-missing")
     mans.sort(key=lambda dm: dm[1]["settings"].get("part", [0, 1])[0])
     name = name or mans[0][1]["name"]
     os.makedirs(out, exist_ok=True)
+    with OutputLock(out, f"data merge into {out}"):
+        return _merge_locked(mans, seen_parts, ref_settings, n_parts, out, mode=mode, name=name)
+
+
+def _merge_locked(mans, seen_parts, ref_settings, n_parts, out, *, mode, name) -> dict:
     if os.path.exists(os.path.join(out, MANIFEST)):
         raise ValueError(f"{out} already holds a manifest; merge into a new folder")
 
@@ -71,23 +91,35 @@ def merge(part_dirs: list[str], out: str, *, mode: str = "link", name: str | Non
                 raise ValueError(f"{src} is listed in {d}/{MANIFEST} but missing; run `omniloom data verify {d}`")
             if os.path.getsize(src) != shard["bytes"]:
                 raise ValueError(f"{src} is {os.path.getsize(src)} bytes but its manifest says {shard['bytes']}; run `omniloom data verify {d}`")
+    drop = _cross_part_duplicates(mans, dedup=bool(ref_settings.get("dedup", True)) and n_parts > 1)
     shards, totals_seg, totals_media, codes = [], Counter(), Counter(), Counter()
+    rewritten: list[str] = []
     rejects_tmp = os.path.join(out, REJECTS + ".tmp")
     with open(rejects_tmp, "w", encoding="utf-8") as rej_out:
         for d, man in mans:
-            for shard in man["shards"]:
-                new_name = f"{name}-{len(shards):06d}.tar"
-                src = os.path.join(d, shard["name"])
-                _place(src, os.path.join(out, new_name), mode)
-                shards.append({**shard, "name": new_name})
-            totals_seg.update(man["totals"]["segments"])
-            totals_media.update(man["totals"]["media_bytes"])
-            codes.update(man.get("rejects", {}).get("by_code", {}))
             rej_path = os.path.join(d, REJECTS)
             if os.path.exists(rej_path):
                 with open(rej_path, encoding="utf-8") as f:
                     shutil.copyfileobj(f, rej_out)
+            totals_seg.update(man["totals"]["segments"])
+            totals_media.update(man["totals"]["media_bytes"])
+            codes.update(man.get("rejects", {}).get("by_code", {}))
+            for shard in man["shards"]:
+                new_name = f"{name}-{len(shards):06d}.tar"
+                src = os.path.join(d, shard["name"])
+                samples = [{"key": smp["key"], "offset": smp["offset"]} for smp in shard["samples"]]
+                if not any(smp["key"] in drop for smp in shard["samples"]):
+                    _place(src, os.path.join(out, new_name), mode)
+                    shards.append({**shard, "name": new_name, "samples": samples})
+                    continue
+                entry = _rewrite_without(src, os.path.join(out, new_name), drop, rej_out, totals_seg, totals_media)
+                codes["duplicate"] += shard["num_samples"] - (entry["num_samples"] if entry else 0)
+                rewritten.append(src)
+                if entry:
+                    shards.append({**entry, "name": new_name})
     os.replace(rejects_tmp, os.path.join(out, REJECTS))
+    if drop:
+        log.info("dropped %d documents that duplicate a document of another part", len(drop))
     settings = {**ref_settings, "merged_parts": sorted(seen_parts), "num_parts": n_parts}
     manifest = {
         "format": mans[0][1]["format"],
@@ -105,7 +137,57 @@ def merge(part_dirs: list[str], out: str, *, mode: str = "link", name: str | Non
         "inputs": {"parts": [m.get("inputs") for _, m in mans]},
     }
     write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    if mode == "move":
+        for src in rewritten:  # their kept documents now live in the rewritten copies
+            os.unlink(src)
     return {"parts": len(mans), "shards": len(shards), "documents": manifest["totals"]["documents"], "bytes": manifest["totals"]["bytes"]}
+
+
+def _cross_part_duplicates(mans, *, dedup: bool) -> dict[str, str]:
+    """{key of a document to drop: key of the document it duplicates} across parts (see the module
+    docstring: the document whose input comes first in the whole set wins)."""
+    if not dedup:
+        return {}
+    first: dict[str, tuple[int, str]] = {}
+    samples = [smp for _, man in mans for shard in man["shards"] for smp in shard["samples"]]
+    if any("fp" not in smp for smp in samples):
+        log.warning("some parts' manifests carry no content hashes (built by an older omniloom): duplicates across parts are kept")
+        return {}
+    for smp in samples:
+        best = first.get(smp["fp"])
+        if best is None or smp["unit"] < best[0]:
+            first[smp["fp"]] = (smp["unit"], smp["key"])
+    return {smp["key"]: first[smp["fp"]][1] for smp in samples if first[smp["fp"]][1] != smp["key"]}
+
+
+def _rewrite_without(src: str, dst: str, drop: dict[str, str], rej_out, totals_seg: Counter, totals_media: Counter) -> dict | None:
+    """Copy the shard `src` to `dst` without the samples in `drop` (same deterministic tar headers
+    as a build), log each dropped one to rejects, take its segments and media out of the totals,
+    and return the new shard entry (None if nothing is left)."""
+    from .manifest import iter_shard_samples
+    from .shards import DeterministicTarWriter
+
+    tmp = dst + ".tmp"
+    writer = DeterministicTarWriter(tmp)
+    for _, key, members in iter_shard_samples(src):
+        if key not in drop:
+            writer.add_sample(key, list(members.items()))
+            continue
+        doc = json.loads(members["doc.json"])
+        for seg in doc["segments"]:
+            totals_seg[seg["type"]] -= 1
+            if seg["type"] in ("image", "video"):
+                totals_media[seg["type"]] -= len(members[seg["ref"]])
+        source = doc.get("meta", {}).get("source", key)
+        rej_out.write(json.dumps({"path": source, "code": "duplicate", "action": "dropped-doc",
+                                  "reason": f"exact duplicate of document {drop[key]} of another part (same prose up to whitespace, same code and media bytes)"},
+                                 ensure_ascii=False, allow_nan=False) + "\n")
+    size, sha = writer.finish()
+    if not writer.samples:
+        os.unlink(tmp)
+        return None
+    os.replace(tmp, dst)
+    return {"name": os.path.basename(dst), "num_samples": len(writer.samples), "bytes": size, "sha256": sha, "samples": writer.samples}
 
 
 def _without_part(settings: dict) -> dict:

@@ -29,7 +29,9 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from .ingest import IngestSettings, Unit, discover, process_unit
+from .validate import json_safe, printable
 from .manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir, read_manifest, write_json_atomic
+from .outlock import OutputLock
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +202,17 @@ def build(
         raise ValueError(f"--workers must be >= 1, got {workers}")
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
+    # Held for the whole build, before anything in `out` is read or removed (--overwrite too).
+    with OutputLock(out, f"data build into {out}"):
+        return _build_locked(sources, out, name=name, workers=workers, part=part, shard_max_docs=shard_max_docs,
+                             shard_max_bytes=shard_max_bytes, dedup=dedup, ingest=ingest,
+                             standalone_referenced=standalone_referenced, overwrite=overwrite, progress=progress, t0=t0)
+
+
+def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_max_bytes, dedup, ingest,
+                  standalone_referenced, overwrite, progress, t0) -> dict:
     settings = {
-        "sources": [os.path.normpath(s) for s in sources],
+        "sources": [printable(os.path.normpath(s)) for s in sources],
         "name": name,
         "part": list(part),
         "shard_max_docs": shard_max_docs,
@@ -210,18 +221,24 @@ def build(
         "standalone_referenced": standalone_referenced,
         **ingest.to_dict(),
     }
-    units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced)
+    units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes)
+    order = None  # part builds: each unit's index in the whole input set, for dedup across parts in `merge`
+    whole = None
     if part[1] > 1:
-        units = [u for u in units if int(u.key, 16) % part[1] == part[0]]
+        whole = {"units": len(units), "sha256": _set_digest(units)}
+        order = [j for j, u in enumerate(units) if int(u.key, 16) % part[1] == part[0]]
+        units = [units[j] for j in order]
     log.info("found %d inputs%s in %.1fs", len(units), f" for part {part[0]}/{part[1]}" if part[1] > 1 else "", time.perf_counter() - t0)
     header = {"journal": 1, "settings": settings, "units": len(units), "units_sha256": _units_digest(units)}
+    if whole is not None:
+        header["set"] = whole
     if overwrite:
         _remove_outputs(out, name)
     elif os.path.exists(os.path.join(out, MANIFEST)) and not os.path.exists(os.path.join(out, JOURNAL)):
         man = read_manifest(out)
         if man.get("settings") != settings:
             raise ValueError(f"{out} already holds a finished build with different settings; choose another --out or pass --overwrite")
-        if man.get("inputs") != {"units": header["units"], "sha256": header["units_sha256"]}:
+        if man.get("inputs") != _inputs(header):
             raise ValueError(f"{out} already holds a finished build, but the inputs changed since (files added, removed or resized); pass --overwrite to rebuild")
         log.info("%s is already complete (same settings and inputs); nothing to do", out)
         return {"complete": True, "already": True, "documents": man["totals"]["documents"], "shards": len(man["shards"]), "seconds": 0.0}
@@ -247,10 +264,10 @@ def build(
             bar.update(res)
             rejects = res["rejects"]
             if res["doc"] is not None and dedup and res["fingerprint"] in seen:
-                rejects = rejects + [{"path": units[i].display, "code": "duplicate", "reason": f"exact duplicate of document {seen[res['fingerprint']]} (same prose up to whitespace, same code and media bytes)", "action": "dropped-doc"}]
+                rejects = rejects + [{"path": printable(units[i].display), "code": "duplicate", "reason": f"exact duplicate of document {seen[res['fingerprint']]} (same prose up to whitespace, same code and media bytes)", "action": "dropped-doc"}]
                 res["doc"] = None
             if res["doc"] is not None:
-                doc_json = json.dumps(res["doc"], ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+                doc_json = json.dumps(res["doc"], ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
                 members = [("doc.json", doc_json), *res["members"]]
                 size = DeterministicTarWriter.sample_bytes(members)
                 if writer is not None and (len(writer.samples) >= shard_max_docs or final_size(writer.size + size) > shard_max_bytes):
@@ -264,6 +281,10 @@ def build(
                     if final_size(size) > shard_max_bytes:
                         log.warning("%s: one document (%d bytes) is larger than --shard-size; it gets a shard of its own", units[i].display, size)
                 writer.add_sample(res["key"], members)
+                if order is not None and dedup:
+                    # What `merge` needs to drop duplicates across parts the way one build would:
+                    # the content hash, and the input's place in the whole set (the first wins).
+                    writer.samples[-1].update(fp=res["fingerprint"], unit=order[i])
                 if pause:
                     writer.f.flush()
                     time.sleep(pause)
@@ -322,7 +343,7 @@ def _close_shard(writer: DeterministicTarWriter, out: str, journal, state: _Span
 
 
 def _append(journal, record: dict) -> None:
-    journal.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+    journal.write(json.dumps(json_safe(record), ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n")
     journal.flush()
     os.fsync(journal.fileno())
 
@@ -340,13 +361,30 @@ def _units_digest(units: list[Unit]) -> str:
     return h.hexdigest()
 
 
+def _set_digest(units: list[Unit]) -> str:
+    """Identity of the whole input set of a part build (names and kinds; no stat calls): parts that
+    agree on it number their inputs alike, which `merge` relies on."""
+    h = hashlib.sha256()
+    for u in units:
+        h.update(f"{u.uid}\t{u.kind}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def _inputs(header: dict) -> dict:
+    """The manifest's `inputs`: this build's input count and digest (and for a part, the whole set's)."""
+    inputs = {"units": header["units"], "sha256": header["units_sha256"]}
+    if "set" in header:
+        inputs["set"] = header["set"]
+    return inputs
+
+
 def _open_journal(out: str, header: dict) -> list[dict]:
     """Return the completed records of a matching journal (starting one if there is none).
     A torn last line (kill -9 mid-write) is dropped."""
     path = os.path.join(out, JOURNAL)
     if not os.path.exists(path):
         with open(path, "w", encoding="utf-8") as f:
-            f.write(json.dumps(header, separators=(",", ":")) + "\n")
+            f.write(json.dumps(header, allow_nan=False, separators=(",", ":")) + "\n")
             f.flush()
             os.fsync(f.fileno())
         return []
@@ -394,7 +432,7 @@ def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed
             media.update(r["media_bytes"])
             for rej in r["rejects"]:
                 codes[rej["code"]] += 1
-                f.write(json.dumps(rej, ensure_ascii=False) + "\n")
+                f.write(json.dumps(rej, ensure_ascii=False, allow_nan=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(out, REJECTS))
@@ -412,7 +450,7 @@ def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed
         "totals": totals,
         "rejects": {"total": sum(codes.values()), "by_code": dict(sorted(codes.items()))},
         "settings": settings,
-        "inputs": {"units": header["units"], "sha256": header["units_sha256"]},
+        "inputs": _inputs(header),
     }
     write_json_atomic(os.path.join(out, MANIFEST), manifest)
     os.unlink(path)

@@ -8,10 +8,14 @@ sentence a person can act on. The ingest code turns these into lines of `rejects
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import os
 import re
 import unicodedata
 from dataclasses import dataclass
+
+from .textenc import bom_encoding, html_declared_encoding
 
 SEGMENT_TYPES = ("text", "code", "image", "video")
 MEDIA_TYPES = ("image", "video")
@@ -33,8 +37,10 @@ class TextPolicy:
 
     bad_utf8: "reject" (default: the file is probably not text, or mis-encoded) or "replace"
     (invalid sequences become U+FFFD). nul: "reject" (NUL bytes in prose or code almost always mean a
-    binary file with a text extension) or "strip". A UTF-8 BOM is always removed; line endings and
-    whitespace are kept byte for byte (code depends on them).
+    binary file with a text extension) or "strip". A byte-order mark (UTF-8, UTF-16, UTF-32) picks
+    the encoding and is removed; an HTML page's declared charset is honoured (see `textenc`); the
+    policy then applies to whatever that encoding cannot decode. Line endings and whitespace are
+    kept byte for byte (code depends on them).
     """
 
     bad_utf8: str = "reject"
@@ -48,16 +54,33 @@ class TextPolicy:
             raise ValueError(f"nul must be 'reject' or 'strip', got {self.nul!r}")
 
 
-def decode_text(data: bytes, policy: TextPolicy, *, what: str = "file") -> str:
-    """Decode `data` as UTF-8 under `policy`; raise Reject for empty, oversized, NUL-bearing or
-    mis-encoded input."""
+def decode_text(data: bytes, policy: TextPolicy, *, what: str = "file", html: bool = False) -> str:
+    """Decode `data` under `policy` (encoding chosen by `textenc`: a BOM, else for HTML the page's
+    declared charset, else UTF-8); raise Reject for empty, oversized, NUL-bearing or mis-encoded
+    input."""
+    return decode_text_info(data, policy, what=what, html=html)[0]
+
+
+def decode_text_info(data: bytes, policy: TextPolicy, *, what: str = "file", html: bool = False) -> tuple[str, str]:
+    """`decode_text`, returning (text, the Python codec used)."""
     if len(data) == 0:
         raise Reject("empty", f"zero-byte {what}")
     if len(data) > policy.max_bytes:
         raise Reject("too-large", f"{what} is {len(data)} bytes, above --max-text-bytes {policy.max_bytes}")
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    if b"\x00" in data:
+    how = "UTF-8, the default"
+    bom = bom_encoding(data)
+    declared = html_declared_encoding(data) if html and not bom else None
+    if bom:
+        codec, n = bom
+        data = data[n:]
+        how = "its byte-order mark"
+    elif declared:
+        codec, label = declared
+        how = f"its declared charset {label!r}"
+    else:
+        codec = "utf-8"
+    wide = codec.startswith(("utf-16", "utf-32"))  # NUL bytes are part of every character there
+    if not wide and b"\x00" in data:
         if policy.nul == "reject":
             pos = data.index(b"\x00")
             raise Reject(
@@ -67,18 +90,94 @@ def decode_text(data: bytes, policy: TextPolicy, *, what: str = "file") -> str:
             )
         data = data.replace(b"\x00", b"")
     try:
-        text = data.decode("utf-8")
+        text = data.decode(codec)
     except UnicodeDecodeError as err:
         if policy.bad_utf8 == "reject":
+            if codec == "utf-8" and not bom and not declared:
+                raise Reject(
+                    "bad-utf8",
+                    f"{what} is not valid UTF-8 (byte {err.start}: {err.reason}) and declares no other encoding; "
+                    "re-encode it as UTF-8, or pass --bad-utf8 replace to keep it with U+FFFD replacements",
+                ) from None
             raise Reject(
-                "bad-utf8",
-                f"{what} is not valid UTF-8 (byte {err.start}: {err.reason}); re-encode it as UTF-8, "
-                "or pass --bad-utf8 replace to keep it with U+FFFD replacements",
+                "bad-encoding",
+                f"{what} is not valid {codec} (the encoding given by {how}; byte {err.start}: {err.reason}); "
+                "fix the file or its declaration, or pass --bad-utf8 replace to keep it with U+FFFD replacements",
             ) from None
-        text = data.decode("utf-8", errors="replace")
+        text = data.decode(codec, errors="replace")
+    if wide and "\x00" in text:
+        if policy.nul == "reject":
+            raise Reject("nul-bytes", f"{what} contains NUL characters (first at character {text.index(chr(0))}); it is probably binary. "
+                         "Remove it, or pass --nul strip to drop NULs")
+        text = text.replace("\x00", "")
     if not text.strip():
         raise Reject("empty", f"{what} holds only whitespace")
-    return text
+    return text, codec
+
+
+def loads_finite(text: str) -> tuple[object, int]:
+    """`json.loads` that turns the non-standard NaN, Infinity and -Infinity (and numbers too large
+    for a float, such as 1e999) into None, so every JSON we write is strict; returns (object,
+    how many values were nulled) so the caller can count and log them."""
+    nulled = 0
+
+    def constant(_name):
+        nonlocal nulled
+        nulled += 1
+        return None
+
+    def number(s):
+        nonlocal nulled
+        v = float(s)
+        if math.isfinite(v):
+            return v
+        nulled += 1
+        return None
+
+    return json.loads(text, parse_constant=constant, parse_float=number), nulled
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def printable(s: str) -> str:
+    """`s` as valid Unicode for a JSON file. A file name that is not valid UTF-8 reaches Python
+    with each undecodable byte as a lone surrogate (U+DC80-U+DCFF, PEP 383); it is written as
+    the four characters `\\xNN` (Python's backslashreplace form, so `caf\\xe9.txt` names the
+    Latin-1 file `caf<0xE9>.txt`). Any other lone surrogate (a JSON `\\ud800` escape) becomes U+FFFD."""
+    if not _SURROGATE.search(s):
+        return s
+    return _SURROGATE.sub(lambda m: f"\\x{ord(m.group()) - 0xDC00:02x}" if 0xDC80 <= ord(m.group()) <= 0xDCFF else "\ufffd", s)
+
+
+def json_safe(obj):
+    """`obj` with every string (dict keys too) made `printable`, so it encodes as valid UTF-8, and
+    every non-finite float as None, so it encodes as strict JSON (input JSON is already counted by
+    `loads_finite`; this is the guard for values computed from media)."""
+    if isinstance(obj, str):
+        return printable(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {json_safe(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def check_unicode_text(text: str, policy: TextPolicy, *, what: str) -> str:
+    """Text that arrived as JSON may hold lone surrogates (`\\ud800` escapes), which no UTF-8 file
+    can hold: reject them under --bad-utf8 reject, replace them with U+FFFD under replace."""
+    m = _SURROGATE.search(text)
+    if not m:
+        return text
+    if policy.bad_utf8 == "reject":
+        raise Reject(
+            "bad-utf8",
+            f"{what} holds a lone surrogate (\\u{ord(m.group()):04x} at character {m.start()}), which is not valid Unicode; "
+            "fix the text, or pass --bad-utf8 replace to keep it with U+FFFD replacements",
+        )
+    return _SURROGATE.sub("\ufffd", text)
 
 
 _WS = re.compile(r"\s+")
