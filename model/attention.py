@@ -4,9 +4,11 @@ Legend: B batch, S sequence, Sp padded to the block size bs, H query heads, K kv
 G = H / K, D head dim, Q query blocks, N gathered key-block slots per query block.
 
 Backends (chosen once at construction by `check_backend`, DESIGN 3.3):
-- sdpa: dense boolean mask through scaled_dot_product_attention; the reference.
-- blocksparse: gathers for each query block only the key blocks it may see and runs a masked
-  softmax over them, in plain PyTorch with autograd: cost grows with the window, not the sequence.
+- sdpa: the reference on any device: L and G layers per document on contiguous slices (causal
+  `is_causal` attention, or a mask of the document's own length), B layers one dense masked pass.
+- blocksparse: L and G layers per document (L in half-window query chunks over the keys their
+  window reaches), B layers gather for each query block only the key blocks it may see: cost
+  grows with the window and the selection, not the sequence. CPU training uses it.
 - flex: FlexAttention with a BlockMask built from the same rule (CUDA only).
 - flash: flash_attn_varlen_func with a window for L/G layers on text-only batches; B layers and
   batches with visual blocks (bidirectional spans flash cannot express) go through blocksparse.
