@@ -26,8 +26,9 @@ class AttentionConfig:
     blocks by pooled-key score (MoBA/NSA style). Every kind keeps documents apart, text causal
     and visual blocks bidirectional.
 
-    backend: `sdpa` dense reference (any device), `blocksparse` gathers only the key blocks a
-    query block may see (any device; CPU training uses it), `flex` FlexAttention (CUDA only),
+    backend: `sdpa` reference (any device; per document, dense masks only for B layers),
+    `blocksparse` per-document slices for L/G layers and gathered key blocks for B layers (any
+    device; CPU training uses it), `flex` FlexAttention (CUDA only),
     `flash` flash-attn varlen (CUDA + flash_attn installed; L/G layers on text-only batches,
     other cases go through blocksparse)."""
 
