@@ -14,8 +14,6 @@ import argparse
 import statistics
 import time
 
-import torch
-
 EQUAL_MATH = dict(dim=256, layers=4, heads=8, kv_heads=2, experts=16, top_k=2, expert_dim=256, vocab=8192)
 # the GPU row of issue 13 (gpu_check runs it on CUDA with bf16 autocast and the flex backend)
 EQUAL_MATH_GPU = dict(dim=1024, layers=8, heads=16, kv_heads=4, experts=32, top_k=4, expert_dim=512, vocab=32768)
@@ -78,6 +76,8 @@ def _hf_model(shape: dict):
 
 
 def _omni_batch(batch_size: int, seq_len: int, vocab: int, seed: int):
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
     labels = torch.cat([ids[:, 1:], torch.full((batch_size, 1), -100)], dim=1)
@@ -95,6 +95,8 @@ def bench_hf(*, cases: list[tuple[int, int]], patterns: list[str], backend: str,
     `steps` interleaved steps after `warmup` (on CUDA: bf16 autocast, synchronized timings).
     Returns one dict per row."""
     import contextlib
+
+    import torch
 
     shape = shape or EQUAL_MATH
     dev = torch.device(device)
@@ -173,6 +175,8 @@ def register_bench(bench_sub) -> None:
 
 
 def _run(args) -> int:
+    import torch
+
     try:
         transformers = import_transformers()
     except ImportError:
