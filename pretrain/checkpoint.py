@@ -53,18 +53,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def incomplete_reason(path: str | Path) -> str | None:
+    """None when `path` is a finished checkpoint, else why not, in words a user can act on: no
+    marker (the write was cut off), an unreadable marker, or a file the marker lists is missing
+    (a folder copied or truncated by hand)."""
+    path = Path(path)
+    if not _STEP_RE.match(path.name):
+        return "its name is not step_N"
+    if not path.is_dir():
+        return "it is not a folder"
+    marker = path / MARKER
+    if not marker.exists():
+        return f"no {MARKER} marker: the write was cut off"
+    try:
+        info = json.loads(marker.read_text())
+        files = list(info.get("files", []))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return f"its {MARKER} marker is unreadable"
+    missing = [rel for rel in files if not (path / str(rel)).exists()]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return f"{missing[0]}{more} listed in its {MARKER} marker is missing (copied or truncated by hand?)"
+    return None
+
+
 def is_complete(path: str | Path) -> bool:
     """True when `path` is a finished checkpoint: a `step_N` folder holding a valid marker whose
     file list is all present (guards against a folder copied or truncated by hand)."""
-    path = Path(path)
-    if not _STEP_RE.match(path.name) or not path.is_dir():
-        return False
-    marker = path / MARKER
-    try:
-        info = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    return all((path / rel).exists() for rel in info.get("files", []))
+    return incomplete_reason(path) is None
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
@@ -93,9 +109,9 @@ def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint.resume={resume}: no such folder; use 'auto' or a step_N folder "
                                 f"under {ckpt_dir}")
-    if not is_complete(path):
-        raise ValueError(f"checkpoint {path} is incomplete (no valid {MARKER} marker: the write was cut off); "
-                         f"pick an earlier one or use checkpoint.resume=auto")
+    reason = incomplete_reason(path)
+    if reason is not None:
+        raise ValueError(f"checkpoint {path} is incomplete ({reason}); pick an earlier one or use checkpoint.resume=auto")
     return path
 
 

@@ -115,6 +115,23 @@ def test_resume_auto_never_picks_a_folder_cut_off_mid_write(tmp_path):
     assert ckpt_mod.resolve_resume("auto", tmp_path / "empty") is None
 
 
+def test_incomplete_checkpoint_message_names_the_missing_file(tmp_path):
+    """Issue 14 item 18: a marker that lists a file no longer there is not 'no valid marker'."""
+    lying = _fake_complete(tmp_path, 20)
+    (lying / ckpt_mod.MARKER).write_text(json.dumps({"step": 20, "files": ["trainer.pt", "accelerate/model.safetensors"]}))
+    with pytest.raises(ValueError, match=r"accelerate/model\.safetensors listed in its COMPLETE marker is missing") as err:
+        ckpt_mod.resolve_resume(str(lying), tmp_path)
+    assert "no valid" not in str(err.value)
+    unmarked = tmp_path / "step_00000024"
+    unmarked.mkdir()
+    with pytest.raises(ValueError, match="no COMPLETE marker"):
+        ckpt_mod.resolve_resume(str(unmarked), tmp_path)
+    from omniloom.pretrain.export import resolve_checkpoint
+
+    with pytest.raises(ValueError, match=r"accelerate/model\.safetensors listed"):
+        resolve_checkpoint(lying)
+
+
 def test_save_interrupted_before_rename_leaves_nothing_visible(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=0", "checkpoint.keep_last=2")
     trainer.fit()
