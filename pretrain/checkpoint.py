@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from .safe_io import honour_umask
+
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -164,6 +166,7 @@ class CheckpointManager:
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
             files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+            honour_umask(tmp / f for f in files)  # safetensors leaves model.safetensors at 0600
             expected = {f"data_rank{r:05d}.pt" for r in range(self.acc.num_processes)}
             assert expected <= set(files), f"missing data state files: {expected - set(files)}"
             marker = tmp / MARKER

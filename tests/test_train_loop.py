@@ -132,6 +132,20 @@ def test_incomplete_checkpoint_message_names_the_missing_file(tmp_path):
         resolve_checkpoint(lying)
 
 
+def test_checkpoint_files_honour_the_umask(tmp_path):
+    """Issue 14 item 20: accelerate's model.safetensors came out 0600 beside 0644 files."""
+    import os
+
+    old = os.umask(0o027)
+    try:
+        _trainer(tmp_path, "train.num_steps=1", "checkpoint.every=0").fit()
+    finally:
+        os.umask(old)
+    files = [p for p in ckpt_mod.latest_checkpoint(tmp_path / "checkpoints").rglob("*") if p.is_file()]
+    assert any(p.name.endswith(".safetensors") for p in files)
+    assert {p.name: oct(os.stat(p).st_mode & 0o777) for p in files} == {p.name: oct(0o640) for p in files}
+
+
 def test_save_interrupted_before_rename_leaves_nothing_visible(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=0", "checkpoint.keep_last=2")
     trainer.fit()
