@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
+import random
 import re
 import shutil
 import time
@@ -202,8 +204,50 @@ class CheckpointManager:
             raise ValueError(f"checkpoint {path} was written by {info.get('world_size')} processes but this run has "
                              f"{self.acc.num_processes}; exact resume needs the same world size (launch with "
                              f"--num_processes {info.get('world_size')})")
-        self.acc.load_state(str(path / "accelerate"))
-        trainer_state = torch.load(path / "trainer.pt", weights_only=True)
-        data_state = torch.load(path / f"data_rank{self.acc.process_index:05d}.pt", weights_only=True)
+        try:
+            self.acc.load_state(str(path / "accelerate"))
+            trainer_state = torch.load(path / "trainer.pt", weights_only=True)
+            data_state = torch.load(path / f"data_rank{self.acc.process_index:05d}.pt", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            raise ValueError(_unloadable_message(path, err)) from err
+        self._check_rng_restored(path)
         log.info("resumed from %s (step %d)", path, trainer_state.get("step", -1))
         return trainer_state, data_state
+
+    def _check_rng_restored(self, path: Path) -> None:
+        """accelerate skips an unreadable `random_states_<rank>.pkl` with an INFO line and goes on
+        with fresh RNG streams: the resumed run would silently stop being exact. Refuse instead."""
+        from accelerate.utils import load as acc_load
+
+        rng_file = path / "accelerate" / f"random_states_{self.acc.process_index}.pkl"
+        try:
+            states = acc_load(rng_file, map_location="cpu")
+            ok = (isinstance(states, dict)
+                  and torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
+                  and random.getstate() == tuple(states["random_state"]))
+        except Exception as err:  # a pickle payload, a truncated file, a missing key: all the same to the user
+            raise ValueError(_unloadable_message(path, err, rng_file)) from err
+        if not ok:
+            raise ValueError(f"cannot resume from {path}: the RNG state in {rng_file.name} was not restored, so the "
+                             "resumed run would not be exact; resume from another checkpoint")
+
+
+def _unloadable_message(path: Path, err: BaseException, culprit: Path | None = None) -> str:
+    """One line for a checkpoint file that cannot be loaded safely, naming the file."""
+    from accelerate.utils import load as acc_load
+
+    if culprit is None:  # find which file it was (only on this error path: files may be large)
+        for f in sorted(path.rglob("*")):
+            if f.is_file() and f.suffix in (".bin", ".pkl", ".pt"):
+                try:
+                    acc_load(f, map_location="cpu")
+                except Exception as e:  # noqa: BLE001 - any failure names this file
+                    culprit, err = f, e
+                    break
+    where = culprit.relative_to(path) if culprit is not None else "a file"
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+    if isinstance(err, pickle.UnpicklingError) or "weights_only" in str(err) or "Unsupported global" in str(err):
+        return (f"refusing to resume from {path}: {where} holds pickled objects other than tensors and plain data, "
+                "which omniloom never writes (the file was tampered with or comes from elsewhere); resume from "
+                "another checkpoint")
+    return f"cannot resume from {path}: {where} is unreadable ({first}); resume from another checkpoint"

@@ -322,6 +322,57 @@ def test_sigterm_finishes_step_saves_and_returns(tmp_path):
     assert state == {"consumed": 4}
 
 
+class _Payload:
+    """A pickle that would create a file when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True), GradientState._reset_state(), PartialState._reset_state()
+
+
+@pytest.mark.parametrize("tamper, match", [
+    ("optimizer_payload", r"refusing to resume from .*: accelerate/optimizer\.bin holds pickled objects"),
+    ("trainer_payload", r"refusing to resume from .*: trainer\.pt holds pickled objects"),
+    ("rng_payload", r"refusing to resume from .*: accelerate/random_states_0\.pkl holds pickled objects"),
+    ("rng_truncated", r"cannot resume from .*: accelerate/random_states_0\.pkl is unreadable"),
+    ("rng_wrong_keys", r"cannot resume from .*: accelerate/random_states_0\.pkl is unreadable"),
+])
+def test_resume_refuses_unsafe_or_corrupt_state_in_one_line(tmp_path, tamper, match):
+    """Issue 14 item 4: a pickle payload ended in a raw UnpicklingError (with torch's hint to use
+    weights_only=False), and an unreadable RNG file was skipped with an INFO line, so the resumed
+    run silently stopped being exact. Both are now a ValueError (one line, exit 2 in the CLI)."""
+    _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=2").fit()
+    ckpt = ckpt_mod.latest_checkpoint(tmp_path / "checkpoints")
+    _reset_accelerate()
+    resumed = _trainer(tmp_path, "train.num_steps=3", f"checkpoint.resume={ckpt}")  # the untouched one resumes
+    assert resumed.step == 2
+    _reset_accelerate()
+    marker = tmp_path / "pwned"
+    rng = ckpt / "accelerate" / "random_states_0.pkl"
+    if tamper == "optimizer_payload":
+        torch.save({"state": _Payload(marker)}, ckpt / "accelerate" / "optimizer.bin")
+    elif tamper == "trainer_payload":
+        torch.save({"step": _Payload(marker)}, ckpt / "trainer.pt")
+    elif tamper == "rng_payload":
+        torch.save({"random_state": _Payload(marker)}, rng)
+    elif tamper == "rng_truncated":
+        rng.write_bytes(rng.read_bytes()[:100])
+    else:
+        torch.save({"step": 2}, rng)
+    with pytest.raises(ValueError, match=match) as err:
+        _trainer(tmp_path, "train.num_steps=3", f"checkpoint.resume={ckpt}")
+    assert "weights_only=False" not in str(err.value) and "\n" not in str(err.value)
+    assert not marker.exists()
+
+
 # ---- CLI -----------------------------------------------------------------------------------------
 SMALL_MODEL = ["model.dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.rope_sections=[8,12,12]",
                "model.attention.window=32", "model.attention.block_size=16", "model.moe.expert_dim=32",
