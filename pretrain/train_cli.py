@@ -29,6 +29,9 @@ def register(sub) -> None:
 
     add_train_args(p)
     p.set_defaults(func=_train)
+    from .launch import register as register_launch
+
+    register_launch(sub)
 
 
 def _train(args) -> int:
