@@ -62,6 +62,14 @@ def _launch_cli(args) -> int:
     return launch(argv)
 
 
+class _Stopped(Exception):
+    """A signal reached the launcher before any rank was running."""
+
+    def __init__(self, sigval: int):
+        super().__init__(f"stopped by {signal.Signals(sigval).name} before the ranks started")
+        self.sigval = sigval
+
+
 class _Forwarder:
     """The launcher's SIGTERM/SIGINT handling: the first signal goes on to the ranks as SIGTERM,
     a second one kills them. Installed for accelerate's single-process launcher directly and put
@@ -102,6 +110,10 @@ class _Forwarder:
     def handle(self, signum: int, frame) -> None:
         self.received.append(signum)
         name = signal.Signals(signum).name
+        if len(self.received) == 1 and not self.ranks():
+            # nothing started yet, so nothing to save: stop the launch itself (torchrun's agent
+            # then shuts down whatever it was starting)
+            raise _Stopped(signum)
         if len(self.received) == 1:
             print(f"omniloom launch: {name}: every rank finishes its step and saves a checkpoint "
                   f"(send it again to stop at once)", file=sys.stderr, flush=True)
@@ -175,9 +187,11 @@ def _summarise(err: BaseException, reports: dict[int, tuple[int, str]], forwarde
         print(f"omniloom launch: ranks killed by a second {signal.Signals(sig).name}; "
               "resume from the last complete checkpoint", file=sys.stderr)
         return 128 + sig
-    if getattr(err, "sigval", None) is not None:  # SIGHUP/SIGQUIT: torchrun shut the ranks down
+    if getattr(err, "sigval", None) is not None:  # before the ranks started, or SIGHUP/SIGQUIT (torchrun's shutdown)
         sig = int(err.sigval)
-        print(f"omniloom launch: stopped by {signal.Signals(sig).name}; the ranks were shut down", file=sys.stderr)
+        print(f"omniloom launch: stopped by {signal.Signals(sig).name} "
+              f"{'before the ranks started' if isinstance(err, _Stopped) else 'and the ranks were shut down'}; "
+              "no checkpoint was written", file=sys.stderr)
         return 128 + sig
     if reports:  # a rank said why: bad config, bad data, an unsafe checkpoint, non-finite losses
         rank = min(reports)
@@ -191,10 +205,15 @@ def _summarise(err: BaseException, reports: dict[int, tuple[int, str]], forwarde
         return 1
     rank = min(codes, key=lambda r: (codes[r] < 0, r))  # a rank that exited beats one killed in the aftermath
     code = codes[rank]
+    if code < 0 and forwarder.received and -code in (signal.SIGTERM, signal.SIGINT):
+        sig = forwarder.received[0]
+        print(f"omniloom launch: stopped by {signal.Signals(sig).name} while the ranks were still starting; "
+              "no checkpoint was written", file=sys.stderr)
+        return 128 + sig
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     print(f"omniloom launch: rank {rank} {how} (its own output is above); "
-          f"{len(codes)} of the ranks failed", file=sys.stderr)
-    return 1
+          f"{len(codes)} rank(s) failed", file=sys.stderr)
+    return code if code in (2, 3) else 1  # 2: a user error the rank printed itself (argparse, `omniloom train`)
 
 
 def launch(argv: list[str]) -> int:

@@ -260,3 +260,17 @@ def test_a_repeated_signal_is_the_same_stop_under_a_launcher_but_a_hard_stop_alo
     launched._handle(signal.SIGTERM, None)
     launched._handle(signal.SIGTERM, None)
     assert launched.requested and raised == []  # Slurm's SIGTERM plus the launcher's: still one clean stop
+
+
+def test_launch_help_and_a_signal_before_the_ranks_start(tmp_path, capsys):
+    from omniloom.pretrain import launch
+    from omniloom.pretrain.cli import main
+
+    assert main(["launch", "--help"]) == 0
+    assert "accelerate launch" in capsys.readouterr().out
+    forwarder = launch._Forwarder()
+    forwarder.ranks = lambda: []
+    with pytest.raises(launch._Stopped) as err:
+        forwarder.handle(signal.SIGTERM, None)
+    assert launch._summarise(err.value, {}, forwarder) == 128 + signal.SIGTERM
+    assert "before the ranks started" in capsys.readouterr().err
