@@ -59,7 +59,7 @@ def _launch_cli(args) -> int:
               "Every `accelerate launch` option works (`accelerate launch --help` lists them).\n")
         print(__doc__.split("\n\n", 2)[2].strip())
         return 0 if argv else 2
-    return launch(argv)
+    return launch(argv, quiet_agent=not getattr(args, "verbose", 0))
 
 
 class _Stopped(Exception):
@@ -216,8 +216,10 @@ def _summarise(err: BaseException, reports: dict[int, tuple[int, str]], forwarde
     return code if code in (2, 3) else 1  # 2: a user error the rank printed itself (argparse, `omniloom train`)
 
 
-def launch(argv: list[str]) -> int:
-    """Run `accelerate launch ARGV` in this process; return the exit code the job should have."""
+def launch(argv: list[str], *, quiet_agent: bool = True) -> int:
+    """Run `accelerate launch ARGV` in this process; return the exit code the job should have.
+    quiet_agent: keep torchrun's agent from logging each failure with its own traceback (the
+    summary says it once; `omniloom -v launch` shows them)."""
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     args = launch_command_parser().parse_args(argv)
@@ -225,8 +227,8 @@ def launch(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="omniloom-launch-") as errors:
         old_env = {k: os.environ.get(k) for k in ("OMNILOOM_LAUNCHED", "OMNILOOM_LAUNCH_ERRORS")}
         os.environ.update(OMNILOOM_LAUNCHED="1", OMNILOOM_LAUNCH_ERRORS=errors)
-        # torchrun's agent logs every failure with a traceback of its own; the summary below says it once
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        if quiet_agent:  # torchrun's agent logs every failure with a traceback of its own
+            logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         forwarder.install()
         try:
             launch_command(args)
