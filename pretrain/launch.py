@@ -131,6 +131,9 @@ class _Forwarder:
             from torch.distributed.elastic.multiprocessing import api as mp_api
         except ImportError:
             return self
+        if not (hasattr(mp_api, "_terminate_process_handler") and hasattr(mp_api, "PContext")):
+            log.warning("this torch has no torchrun signal handler to replace: SIGTERM gets torchrun's own handling")
+            return self
         self._mp_api = mp_api
         self._orig_handler = mp_api._terminate_process_handler
         self._orig_start = mp_api.PContext.start
