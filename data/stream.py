@@ -23,9 +23,13 @@ refused with a ValueError (the ranges would not line up, so no-loss/no-repeat co
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import multiprocessing
+import os
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -46,6 +50,73 @@ log = logging.getLogger(__name__)
 TokenizeFn = Callable[[dict, dict], TokenizedDoc]
 STATE_VERSION = 1
 _MAX_LOGGED_SKIPS = 5  # per reason and worker; the counters keep counting after that
+
+
+class StreamDataError(ValueError, RuntimeError):
+    """The data cannot feed the run at all (every sample of a source unreadable, no document that
+    tokenizes): a user error (ValueError: one line, exit 2) raised in the main process even when a
+    DataLoader worker found it; still a RuntimeError for code that caught it as one before."""
+
+
+_WORKER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_guard_started = False
+
+
+def _guard_worker() -> None:
+    """Make this DataLoader worker outlive SIGTERM/SIGINT sent to its whole process group, yet
+    never outlive its trainer.
+
+    torchrun, Slurm and Ctrl-C signal the whole process group: a worker that died first would
+    fail the trainer's next batch before the trainer could save, so a worker must not die of
+    those. But a worker that ignores SIGTERM outright also ignores its own parent's `terminate()`
+    (DataLoader shutdown, interpreter exit), and the parent then waits for it forever: a fatal
+    error hung the run (issue 14 item 1). So the signals are blocked and a watcher thread takes
+    them: one sent by the parent ends the worker at once; any other is ignored. The same thread
+    ends the worker within a second of the parent's death (SIGKILL, crash), busy or not."""
+    global _guard_started
+    if _guard_started:
+        return
+    _guard_started = True
+    parent = multiprocessing.parent_process()
+    parent_pid = parent.pid if parent is not None else os.getppid()
+    if not hasattr(signal, "sigtimedwait"):  # no sigtimedwait (macOS): ignore, and watch the parent only
+        for sig in _WORKER_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+    else:
+        for sig in _WORKER_SIGNALS:
+            # not SIG_IGN: an ignored signal is discarded before the watcher could see who sent it
+            signal.signal(sig, lambda signum, frame: None)
+        signal.pthread_sigmask(signal.SIG_BLOCK, _WORKER_SIGNALS)  # threads started below inherit it
+
+    def watch() -> None:
+        while True:
+            info = signal.sigtimedwait(_WORKER_SIGNALS, 1.0) if hasattr(signal, "sigtimedwait") else time.sleep(1.0)
+            if info is not None and info.si_pid == parent_pid:
+                os._exit(0)  # the trainer shuts its loader down
+            if os.getppid() != parent_pid and (parent is None or not parent.is_alive()):
+                os._exit(1)  # the trainer is gone: nobody will read another batch
+
+    threading.Thread(target=watch, name="omniloom-worker-guard", daemon=True).start()
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Block SIGTERM/SIGINT in this thread for the duration (the processes it forks inherit the
+    mask); a signal that arrives meanwhile is delivered when the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _WORKER_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _worker_init(worker_id: int) -> None:
+    # As early as torch allows (its own SIGTERM handler is in place by now, and would let a group
+    # signal kill the worker): not at the first batch, which a worker may reach seconds later.
+    _guard_worker()
 
 
 class _SourceCursor:
@@ -125,7 +196,7 @@ class WorkerStream:
                 return ref, doc, media
             except SampleError as err:
                 self._skip(err.reason, err, ref)
-        raise RuntimeError(f"source '{cursor.set.label}': not one readable sample in a whole epoch of slot "
+        raise StreamDataError(f"source '{cursor.set.label}': not one readable sample in a whole epoch of slot "
                            f"{self.slot}; check the shards (skips so far: {dict(self.skipped)})")
 
     def _next_doc(self) -> tuple[tuple, dict, dict]:
@@ -169,7 +240,7 @@ class WorkerStream:
                 self.packer.add(piece)
             failed = 0 if pieces else failed + 1
             if failed > limit:  # bad data is skipped, but a stream with no usable document must stop
-                raise RuntimeError(f"slot {self.slot}: {failed} documents in a row could not be tokenized or "
+                raise StreamDataError(f"slot {self.slot}: {failed} documents in a row could not be tokenized or "
                                    f"packed (skips: {dict(self.skipped)}); check data.tokenizer and the shards")
 
     def next_batch(self) -> tuple[PackedBatch, dict]:
@@ -256,11 +327,9 @@ class StreamDataset(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[tuple[PackedBatch, dict]]:
         info = torch.utils.data.get_worker_info()
         if info is not None:
-            # torchrun, Slurm and Ctrl-C signal the whole process group: a worker that died first
-            # would fail the trainer's next batch before it could save. The trainer handles the
-            # signal; its workers end with it.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            # The trainer handles SIGTERM/SIGINT and saves; its workers outlive the signal but
+            # never the trainer (see _guard_worker).
+            _guard_worker()
         physical = info.id if info is not None else 0
         logical = (physical + self.consumed) % self.num_logical
         stream = WorkerStream(self.sets, self.cfg, self.tokenize_fn, slot=self.rank * self.num_logical + logical,
@@ -318,17 +387,36 @@ class StreamLoader:
         if self.cfg.num_workers == 0:
             items: Iterator = iter(ds)
         else:
-            items = iter(torch.utils.data.DataLoader(
-                ds, batch_size=None, num_workers=self.cfg.num_workers,
-                prefetch_factor=self.cfg.prefetch_factor, pin_memory=self.pin_memory, persistent_workers=False))
-        for batch, meta in items:
-            assert meta["index"] == self.consumed, f"batch {meta['index']} arrived when {self.consumed} was due"
-            self._states[meta["worker"]] = meta["state"]
-            self.consumed += 1
-            self._account(meta)
-            if self.cfg.num_workers == 0 and self.pin_memory:
-                batch = batch.pin_memory()
-            yield batch
+            # The workers start here. They inherit a signal mask that holds SIGTERM/SIGINT pending
+            # until their guard takes them (see _guard_worker): a signal that reaches a worker
+            # before that must not kill it.
+            with _signals_held():
+                items = iter(torch.utils.data.DataLoader(
+                    ds, batch_size=None, num_workers=self.cfg.num_workers,
+                    prefetch_factor=self.cfg.prefetch_factor, pin_memory=self.pin_memory, persistent_workers=False,
+                    worker_init_fn=_worker_init))
+        try:
+            for batch, meta in items:
+                assert meta["index"] == self.consumed, f"batch {meta['index']} arrived when {self.consumed} was due"
+                self._states[meta["worker"]] = meta["state"]
+                self.consumed += 1
+                self._account(meta)
+                if self.cfg.num_workers == 0 and self.pin_memory:
+                    batch = batch.pin_memory()
+                yield batch
+        except StreamDataError as err:
+            # torch re-raises a worker's error with the worker's whole traceback in its message;
+            # the user needs its last line (the traceback stays on the chain for -v).
+            last = str(err).strip().splitlines()[-1] if str(err).strip() else ""
+            prefix = f"{StreamDataError.__module__}.{StreamDataError.__name__}: "
+            for p in (prefix, f"{StreamDataError.__name__}: "):
+                if last.startswith(p):
+                    raise StreamDataError(last[len(p):]) from err
+            raise
+        finally:
+            shutdown = getattr(items, "_shutdown_workers", None)
+            if shutdown is not None:  # stop the workers now, not whenever the iterator is collected
+                shutdown()
 
     # -- metrics -------------------------------------------------------------------------------
     def _account(self, meta: dict) -> None:

@@ -56,6 +56,17 @@ def _build(cls, data: dict, path: str):
     return cls(**kwargs)
 
 
+def _inside(folder: Path, file: Path) -> Path:
+    """`file`, after checking that it (followed through any symlinks) stays inside `folder`: an
+    export whose weights link to a file elsewhere (`/etc/...`, another user's home) is refused,
+    as shard names with `../` are."""
+    target, root = file.resolve(), folder.resolve()
+    if not target.is_relative_to(root):
+        raise ValueError(f"{file} links to {target}, outside the export folder {root}; refusing to read it "
+                         "(copy the file into the folder instead of linking it)")
+    return file
+
+
 def read_export_config(path: str | Path) -> dict:
     """The parsed config.json of an export folder (FileNotFoundError / ValueError say what is wrong)."""
     folder = Path(path)
@@ -63,6 +74,7 @@ def read_export_config(path: str | Path) -> dict:
     if not cfg_path.is_file():
         hint = " (that is a training run: export it first with `omniloom export RUN --out DIR`)" if (folder / "checkpoints").is_dir() else ""
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; pass a folder written by `omniloom export`{hint}")
+    _inside(folder, cfg_path)
     try:
         info = json.loads(cfg_path.read_text())
     except ValueError as err:
@@ -75,31 +87,113 @@ def read_export_config(path: str | Path) -> dict:
     return info
 
 
+def _weight_files(folder: Path) -> tuple[list[Path], dict | None]:
+    """The safetensors files of an export folder and its index's weight map (None for a single
+    file). Every file must lie inside the folder, links followed."""
+    index = folder / INDEX_NAME
+    if index.is_file():
+        _inside(folder, index)
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        except (ValueError, AttributeError) as err:
+            raise ValueError(f"{index} is not a valid index: {err}") from err
+        if not weight_map:
+            raise ValueError(f"{index} lists no tensors")
+        files = []
+        for fname in sorted(set(weight_map.values())):
+            shard = folder / str(fname)
+            if Path(fname).name != fname or not shard.is_file():
+                raise FileNotFoundError(f"{index} names shard {fname!r}, which is not in {folder}; copy the whole export folder")
+            files.append(_inside(folder, shard))
+        return files, weight_map
+    single = folder / SINGLE_NAME
+    if not single.is_file():
+        raise FileNotFoundError(f"no {SINGLE_NAME} or {INDEX_NAME} in {folder}; is it an `omniloom export` folder?")
+    return [_inside(folder, single)], None
+
+
+def read_safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in an export folder, from the safetensors headers only (no
+    tensor data is read): what `load_pretrained` checks config.json against before allocating."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _weight_files(Path(path))[0]:
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                for name in fh.keys():
+                    shapes[name] = tuple(fh.get_slice(name).get_shape())
+        except Exception as err:  # SafetensorError: a header that lies about sizes or offsets
+            raise ValueError(f"{file} is not a valid safetensors file: {err}") from err
+    return shapes
+
+
 def read_safetensors(path: str | Path, device: str = "cpu") -> dict:
     """All tensors of an export folder: `model.safetensors`, or every shard its index lists
     (each listed tensor must be found in its shard)."""
     from safetensors.torch import load_file
 
     folder = Path(path)
-    index = folder / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map") or {}
-        if not weight_map:
-            raise ValueError(f"{index} lists no tensors")
-        state: dict = {}
-        for fname in sorted(set(weight_map.values())):
-            shard = folder / fname
-            if Path(fname).name != fname or not shard.is_file():
-                raise FileNotFoundError(f"{index} names shard {fname!r}, which is not in {folder}; copy the whole export folder")
-            state.update(load_file(str(shard), device=device))
+    files, weight_map = _weight_files(folder)
+    state: dict = {}
+    for file in files:
+        state.update(load_file(str(file), device=device))
+    if weight_map is not None:
         missing = sorted(set(weight_map) - set(state))
         if missing:
             raise ValueError(f"{folder}: the index lists tensors no shard holds: {missing[:5]}")
-        return state
-    single = folder / SINGLE_NAME
-    if not single.is_file():
-        raise FileNotFoundError(f"no {SINGLE_NAME} or {INDEX_NAME} in {folder}; is it an `omniloom export` folder?")
-    return load_file(str(single), device=device)
+    return state
+
+
+# Config integers that count or size something; ids may be -1 ("none"). Anything above 2**31 is no
+# real model, and a negative size would otherwise surface as a torch error deep in a constructor.
+_MAX_INT = 2**31 - 1
+_MAY_BE_MINUS_ONE = {"patch_token_id", "pad_token_id"}
+_MAY_BE_ZERO = {"num_experts", "num_shared_experts", "num_dense_layers", "num_visual_experts"}
+
+
+def _check_bounds(cfg, path: str = "model") -> None:
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{path}.{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_bounds(value, key)
+            continue
+        values = list(value) if isinstance(value, (tuple, list)) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if isinstance(v, float):
+                if v != v or abs(v) == float("inf"):
+                    raise ValueError(f"{key}={value} in {CONFIG_NAME} is not a finite number")
+                continue
+            low = -1 if f.name in _MAY_BE_MINUS_ONE else (0 if f.name in _MAY_BE_ZERO or isinstance(value, tuple) else 1)
+            if not low <= v <= _MAX_INT:
+                raise ValueError(f"{key}={value} in {CONFIG_NAME} is out of range (must be between {low} and "
+                                 f"{_MAX_INT}); the export is corrupt or was not written by `omniloom export`")
+
+
+def check_config_against_weights(cfg, path: str | Path) -> None:
+    """Raise ValueError unless the model `cfg` describes has exactly the tensors, with exactly the
+    shapes, that the export's safetensors headers hold. Costs no memory: the model is built on
+    the meta device and only the headers are read, so a hostile config.json (a vocabulary of 4e9,
+    dim 8192 x 16 layers) is refused before anything is allocated."""
+    import torch
+
+    from .decoder import OmniModel
+
+    _check_bounds(cfg)
+    shapes = read_safetensors_shapes(path)
+    layers = {int(k.split(".")[1]) for k in shapes if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    if cfg.num_layers != len(layers):  # checked first: building a huge layer count even on meta takes long
+        raise ValueError(f"{path}: config.json says model.num_layers={cfg.num_layers}, the weights hold {len(layers)} layers")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in OmniModel(cfg).state_dict().items()}
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for name, shape in expected.items():
+        if shapes[name] != shape:
+            raise ValueError(f"{path}: tensor {name} has shape {shapes[name]}, config.json implies {shape}")
 
 
 def load_pretrained(path: str | Path, *, device: str = "cpu", dtype: str | None = None, backend: str | None = None):
@@ -120,6 +214,7 @@ def load_pretrained(path: str | Path, *, device: str = "cpu", dtype: str | None 
     elif cfg.attention.backend in ("flex", "flash") and not torch.cuda.is_available():
         # a model trained on GPUs still loads on a CPU: same mask rule, portable backend
         cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, backend="blocksparse"))
+    check_config_against_weights(cfg, path)  # before anything is allocated
     state = read_safetensors(path)
     # Built on the CPU (its random init is overwritten): the model also holds buffers outside
     # the state dict (the MoE's allowed-expert table) that only its constructor knows how to fill.

@@ -22,12 +22,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
+import random
 import re
 import shutil
 import time
 from pathlib import Path
 
 import torch
+
+from .safe_io import honour_umask
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +57,34 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def incomplete_reason(path: str | Path) -> str | None:
+    """None when `path` is a finished checkpoint, else why not, in words a user can act on: no
+    marker (the write was cut off), an unreadable marker, or a file the marker lists is missing
+    (a folder copied or truncated by hand)."""
+    path = Path(path)
+    if not _STEP_RE.match(path.name):
+        return "its name is not step_N"
+    if not path.is_dir():
+        return "it is not a folder"
+    marker = path / MARKER
+    if not marker.exists():
+        return f"no {MARKER} marker: the write was cut off"
+    try:
+        info = json.loads(marker.read_text())
+        files = list(info.get("files", []))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return f"its {MARKER} marker is unreadable"
+    missing = [rel for rel in files if not (path / str(rel)).exists()]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        return f"{missing[0]}{more} listed in its {MARKER} marker is missing (copied or truncated by hand?)"
+    return None
+
+
 def is_complete(path: str | Path) -> bool:
     """True when `path` is a finished checkpoint: a `step_N` folder holding a valid marker whose
     file list is all present (guards against a folder copied or truncated by hand)."""
-    path = Path(path)
-    if not _STEP_RE.match(path.name) or not path.is_dir():
-        return False
-    marker = path / MARKER
-    try:
-        info = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    return all((path / rel).exists() for rel in info.get("files", []))
+    return incomplete_reason(path) is None
 
 
 def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
@@ -93,9 +113,9 @@ def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint.resume={resume}: no such folder; use 'auto' or a step_N folder "
                                 f"under {ckpt_dir}")
-    if not is_complete(path):
-        raise ValueError(f"checkpoint {path} is incomplete (no valid {MARKER} marker: the write was cut off); "
-                         f"pick an earlier one or use checkpoint.resume=auto")
+    reason = incomplete_reason(path)
+    if reason is not None:
+        raise ValueError(f"checkpoint {path} is incomplete ({reason}); pick an earlier one or use checkpoint.resume=auto")
     return path
 
 
@@ -148,6 +168,7 @@ class CheckpointManager:
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
             files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+            honour_umask(tmp / f for f in files)  # safetensors leaves model.safetensors at 0600
             expected = {f"data_rank{r:05d}.pt" for r in range(self.acc.num_processes)}
             assert expected <= set(files), f"missing data state files: {expected - set(files)}"
             marker = tmp / MARKER
@@ -183,8 +204,50 @@ class CheckpointManager:
             raise ValueError(f"checkpoint {path} was written by {info.get('world_size')} processes but this run has "
                              f"{self.acc.num_processes}; exact resume needs the same world size (launch with "
                              f"--num_processes {info.get('world_size')})")
-        self.acc.load_state(str(path / "accelerate"))
-        trainer_state = torch.load(path / "trainer.pt", weights_only=True)
-        data_state = torch.load(path / f"data_rank{self.acc.process_index:05d}.pt", weights_only=True)
+        try:
+            self.acc.load_state(str(path / "accelerate"))
+            trainer_state = torch.load(path / "trainer.pt", weights_only=True)
+            data_state = torch.load(path / f"data_rank{self.acc.process_index:05d}.pt", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            raise ValueError(_unloadable_message(path, err)) from err
+        self._check_rng_restored(path)
         log.info("resumed from %s (step %d)", path, trainer_state.get("step", -1))
         return trainer_state, data_state
+
+    def _check_rng_restored(self, path: Path) -> None:
+        """accelerate skips an unreadable `random_states_<rank>.pkl` with an INFO line and goes on
+        with fresh RNG streams: the resumed run would silently stop being exact. Refuse instead."""
+        from accelerate.utils import load as acc_load
+
+        rng_file = path / "accelerate" / f"random_states_{self.acc.process_index}.pkl"
+        try:
+            states = acc_load(rng_file, map_location="cpu")
+            ok = (isinstance(states, dict)
+                  and torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
+                  and random.getstate() == tuple(states["random_state"]))
+        except Exception as err:  # a pickle payload, a truncated file, a missing key: all the same to the user
+            raise ValueError(_unloadable_message(path, err, rng_file)) from err
+        if not ok:
+            raise ValueError(f"cannot resume from {path}: the RNG state in {rng_file.name} was not restored, so the "
+                             "resumed run would not be exact; resume from another checkpoint")
+
+
+def _unloadable_message(path: Path, err: BaseException, culprit: Path | None = None) -> str:
+    """One line for a checkpoint file that cannot be loaded safely, naming the file."""
+    from accelerate.utils import load as acc_load
+
+    if culprit is None:  # find which file it was (only on this error path: files may be large)
+        for f in sorted(path.rglob("*")):
+            if f.is_file() and f.suffix in (".bin", ".pkl", ".pt"):
+                try:
+                    acc_load(f, map_location="cpu")
+                except Exception as e:  # noqa: BLE001 - any failure names this file
+                    culprit, err = f, e
+                    break
+    where = culprit.relative_to(path) if culprit is not None else "a file"
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+    if isinstance(err, pickle.UnpicklingError) or "weights_only" in str(err) or "Unsupported global" in str(err):
+        return (f"refusing to resume from {path}: {where} holds pickled objects other than tensors and plain data, "
+                "which omniloom never writes (the file was tampered with or comes from elsewhere); resume from "
+                "another checkpoint")
+    return f"cannot resume from {path}: {where} is unreadable ({first}); resume from another checkpoint"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import MARKER, is_complete, latest_checkpoint, list_checkpoints, step_of
+from .checkpoint import MARKER, incomplete_reason, latest_checkpoint, list_checkpoints, step_of
 from .safe_io import INDEX_NAME, SINGLE_NAME, parse_size, safe_torch_load, save_sharded
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
             raise ValueError(f"{p} holds no complete checkpoint")
         return found
     if (p / MARKER).exists() or p.name.startswith("step_"):
-        if not is_complete(p):
+        reason = incomplete_reason(p)
+        if reason is not None:
             older = [c.name for c in list_checkpoints(p.parent)]
-            raise ValueError(f"checkpoint {p} is incomplete (its write was cut off); "
+            raise ValueError(f"checkpoint {p} is incomplete ({reason}); "
                              + (f"use {older[-1]}" if older else "pass the run folder"))
         return p
     if (p / "config.json").is_file():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import signal
 
 log = logging.getLogger(__name__)
@@ -88,17 +89,27 @@ class SpikeDetector:
         self.values = collections.deque(state["values"], maxlen=self.window)
 
 
+def under_launcher() -> bool:
+    """True in a rank started by a launcher (`omniloom launch`, torchrun / `accelerate launch`)."""
+    return bool(os.environ.get("OMNILOOM_LAUNCHED") or os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
 class GracefulShutdown:
     """Installs SIGTERM/SIGINT handlers that only set a flag. The loop checks `requested` (agreed
     across ranks by the caller) after each step, saves a checkpoint and exits with code 0.
-    A second signal while a save is pending falls back to the default handler (hard stop)."""
+
+    Alone (`omniloom train`), a second signal while a save is pending falls back to the default
+    handler (hard stop: Ctrl-C twice). Under a launcher a rank gets the same stop twice as a
+    matter of course (Slurm signals every process, then the launcher forwards the signal to its
+    ranks), so there repeats are ignored and the launcher is the one that stops hard."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, *, repeat_stops_hard: bool | None = None):
         self.requested = False
         self.signal_name = ""
         self._previous = {}
+        self.repeat_stops_hard = (not under_launcher()) if repeat_stops_hard is None else repeat_stops_hard
 
     def install(self) -> "GracefulShutdown":
         for sig in self.SIGNALS:
@@ -110,6 +121,8 @@ class GracefulShutdown:
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
+            if not self.repeat_stops_hard:
+                return  # the same stop, delivered again (by the scheduler and by the launcher)
             log.warning("second %s: stopping without waiting for the checkpoint", signal.Signals(signum).name)
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)

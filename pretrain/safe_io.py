@@ -7,7 +7,9 @@ Nothing omniloom loads is unpickled: weights travel as safetensors, and any `.pt
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 from pathlib import Path
 
 import torch
@@ -16,6 +18,38 @@ from omniloom.model.pretrained import INDEX_NAME, SINGLE_NAME  # one definition 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "KIB": 2**10, "M": 10**6, "MB": 10**6, "MIB": 2**20,
           "G": 10**9, "GB": 10**9, "GIB": 2**30, "T": 10**12, "TB": 10**12, "TIB": 2**40}
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process umask: from /proc on Linux, else by setting it back at once (under a lock)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def honour_umask(paths) -> None:
+    """Give each file the mode a plain `open()` would have: 0666 minus the umask.
+
+    safetensors writes through a private temporary file and keeps its 0600, so a checkpoint or
+    export would otherwise hold one file the group cannot read beside 0644 siblings."""
+    mode = 0o666 & ~current_umask()
+    for path in paths:
+        try:
+            if os.stat(path).st_mode & 0o777 != mode:
+                os.chmod(path, mode)
+        except OSError:  # another user's file on a shared filesystem: leave it as written
+            pass
 
 
 def parse_size(text: str | int) -> int:
@@ -60,6 +94,7 @@ def save_sharded(
     if len(shards) == 1:
         path = out_dir / SINGLE_NAME
         save_file(shards[0], str(path), metadata=metadata)
+        honour_umask([path])
         return [path]
     paths, weight_map = [], {}
     for i, shard in enumerate(shards):
@@ -67,6 +102,7 @@ def save_sharded(
         save_file(shard, str(path), metadata=metadata)
         paths.append(path)
         weight_map.update({name: path.name for name in shard})
+    honour_umask(paths)
     index = {"metadata": {"total_size": sum(sizes), **metadata}, "weight_map": weight_map}
     (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return paths

@@ -443,22 +443,36 @@ def build_arg_parser(prog: str = "python -m omniloom.pretrain.train") -> argpars
     return p
 
 
+def report_failure(line: str, code: int) -> int:
+    """Tell the user why this rank stops and return its exit code. Under `omniloom launch` the
+    line goes to the launcher (a file in OMNILOOM_LAUNCH_ERRORS), which prints one line for the
+    whole job; otherwise this rank prints it."""
+    folder = os.environ.get("OMNILOOM_LAUNCH_ERRORS")
+    if folder and os.path.isdir(folder):
+        rank = int(os.environ.get("RANK", "0"))
+        with open(os.path.join(folder, f"rank{rank:05d}.txt"), "w") as fh:
+            fh.write(f"{code}\n{line}\n")
+    else:
+        print(line, file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for `accelerate launch -m omniloom.pretrain.train`."""
+    """Entry point for `accelerate launch -m omniloom.pretrain.train` (and `omniloom launch`)."""
     args = build_arg_parser().parse_args(argv)
     # Rank 0 tells the story; the other ranks speak only to warn, and say who they are.
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=("" if rank == 0 else f"[rank {rank}] ") + "%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    from .cli import USER_ERRORS
+
     try:
         result = run(config_from_args(args), progress=not args.no_progress)
     except NonFiniteError as err:
-        print(f"omniloom train: {err}", file=sys.stderr)
-        return 3
-    except (ValueError, FileNotFoundError) as err:
-        print(f"omniloom train: error: {err}", file=sys.stderr)
-        return 2
+        return report_failure(f"omniloom train: {err}", 3)
+    except USER_ERRORS as err:
+        return report_failure(f"omniloom train: error: {err}", 2)
     log.info("finished at step %d (%s), %d tokens; last checkpoint %s", result.step, result.stopped_by,
              result.tokens_seen, result.last_checkpoint)
     return 0

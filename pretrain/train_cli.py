@@ -19,8 +19,8 @@ def register(sub) -> None:
         "large_1b, or a YAML path) plus dotted overrides. Writes RUN_DIR/metrics.jsonl, RUN_DIR/tb "
         "(TensorBoard) and RUN_DIR/checkpoints/step_N. SIGTERM/SIGINT finish the step, save a checkpoint "
         "and exit 0; rerun with --resume auto to continue exactly. For several processes or GPUs use "
-        "`accelerate launch --config_file configs/accelerate/cpu_2proc.yaml -m omniloom.pretrain.train "
-        "--config tiny ...` with the same arguments.",
+        "`omniloom launch --config_file configs/accelerate/cpu_2proc.yaml -m omniloom.pretrain.train "
+        "--config tiny ...` with the same arguments (`omniloom launch` is `accelerate launch` with clean exit codes).",
         epilog="Options go before PRESET and the overrides. Example: omniloom train --run-dir runs/t1 tiny "
         "data.sources='[{path: shards/train}]' data.tokenizer=tok train.num_steps=200",
     )
@@ -29,6 +29,9 @@ def register(sub) -> None:
 
     add_train_args(p)
     p.set_defaults(func=_train)
+    from .launch import register as register_launch
+
+    register_launch(sub)
 
 
 def _train(args) -> int:

@@ -263,3 +263,96 @@ def test_a_flex_trained_run_exports_and_loads_on_cpu(tmp_path, tok_dir):
     loaded = load_pretrained(tmp_path / "export")
     assert loaded.cfg.attention.backend == "blocksparse"
     assert torch.equal(logits_of(loaded, loaded.cfg), logits_of(model, model.cfg))
+
+
+# ---- loading what others wrote (issue 14 items 14 and 16) -----------------------------------------
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory, tok_dir):
+    root = tmp_path_factory.mktemp("exported")
+    run, _ = make_run(root / "run", tok_dir)
+    export_checkpoint(run, root / "export")
+    return root / "export"
+
+
+def _copy_export(export_dir, dst, **model_changes):
+    import shutil
+
+    shutil.copytree(export_dir, dst)
+    if model_changes:
+        info = json.loads((dst / "config.json").read_text())
+        info["model"].update(model_changes)
+        (dst / "config.json").write_text(json.dumps(info))
+    return dst
+
+
+@pytest.fixture
+def no_real_model(monkeypatch):
+    """Fails the test if an OmniModel is built anywhere but on the meta device (no allocation)."""
+    import omniloom.model.decoder as decoder
+
+    init = decoder.OmniModel.__init__
+
+    def guarded(self, *args, **kwargs):
+        if torch.empty(0).device.type != "meta":
+            raise AssertionError("an OmniModel was allocated before config.json was checked against the weights")
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(decoder.OmniModel, "__init__", guarded)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"dim": 8192, "num_layers": 16, "num_heads": 4, "num_kv_heads": 2, "rope_sections": [512, 768, 768]},
+     "num_layers=16, the weights hold 3"),
+    ({"dim": 8192, "num_heads": 4, "num_kv_heads": 2, "rope_sections": [512, 768, 768]}, "has shape"),
+    ({"vocab_size": 4_000_000_000}, r"model\.vocab_size=4000000000 .* out of range"),
+    ({"vocab_size": 100_000}, r"embed\.tok\.weight has shape"),
+    ({"dim": -8}, r"model\.dim=-8 .* out of range"),
+    ({"moe": {"num_experts": -4}}, r"model\.moe\.num_experts=-4 .* out of range"),
+])
+def test_hostile_config_is_refused_before_anything_is_allocated(export_dir, tmp_path, no_real_model, changes, match):
+    """A config.json that disagrees with the safetensors headers (or is absurd) is refused from the
+    headers alone; before, the model was built first (GBs for dim 8192 x 16 layers, TBs for a 4e9 vocab)."""
+    if "moe" in changes:
+        info = json.loads((export_dir / "config.json").read_text())
+        changes = {"moe": {**info["model"]["moe"], **changes["moe"]}}
+    bad = _copy_export(export_dir, tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(bad)
+
+
+def test_a_faithful_config_still_loads_after_the_header_check(export_dir):
+    model = load_pretrained(export_dir)
+    assert model.cfg.num_layers == 3
+
+
+@pytest.mark.parametrize("what", ["model.safetensors", "config.json"])
+def test_a_file_linked_from_outside_the_export_folder_is_refused(export_dir, tmp_path, capsys, what):
+    """Issue 14 item 16: a symlink that leaves the folder is refused, as `../` shard names are."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    exp = _copy_export(export_dir, tmp_path / "exp")
+    (exp / what).rename(outside / what)
+    (exp / what).symlink_to(outside / what)
+    with pytest.raises(ValueError, match="outside the export folder"):
+        load_pretrained(exp)
+    assert main(["-qq", "generate", str(exp), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+    assert "outside the export folder" in capsys.readouterr().err
+
+
+def test_links_inside_the_export_folder_and_a_linked_folder_still_load(export_dir, tmp_path):
+    exp = _copy_export(export_dir, tmp_path / "exp")
+    (exp / "model.safetensors").rename(exp / "weights.bin.safetensors")
+    (exp / "model.safetensors").symlink_to("weights.bin.safetensors")
+    (tmp_path / "alias").symlink_to(exp)
+    assert load_pretrained(tmp_path / "alias").cfg.num_layers == 3
+
+
+def test_a_sharded_export_with_an_outside_shard_link_is_refused(tmp_path, tok_dir):
+    run, _ = make_run(tmp_path / "run", tok_dir)
+    res = export_checkpoint(run, tmp_path / "export", max_shard_size="20KB")
+    shard = res.files[1]
+    outside = tmp_path / "outside.safetensors"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    with pytest.raises(ValueError, match="outside the export folder"):
+        load_pretrained(tmp_path / "export")

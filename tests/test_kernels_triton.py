@@ -7,16 +7,20 @@ per check; the tests below read those lines. fp32 and fp16 only: the interpreter
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from omniloom.kernels.parity import TINY_CASES
 
 pytest.importorskip("triton", reason="the Triton backend needs triton (installed with CUDA builds of torch)")
+# The interpreter run below is bounded by its CPU budget; the suite-wide wall timeout must not cut
+# it short on a loaded machine.
+pytestmark = pytest.mark.timeout(3700)
 
 DTYPES = ("float32", "float16")
 
@@ -169,10 +173,13 @@ _EDGE_CHECKS = {
 
 @pytest.fixture(scope="module")
 def interp_records():
+    # Limited by work, not wall time: 111 s alone on 2 cores, past 300 s with four jobs sharing
+    # them (issue 14 item 19). The budget is ~10x the CPU time the run needs on its own.
+    spec = importlib.util.spec_from_file_location("subproc_budget", Path(__file__).with_name("subproc_budget.py"))
+    budget = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(budget)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = budget.run([sys.executable, os.path.abspath(__file__)], env=env, cpu_budget_s=1800, stall_s=300)
     assert proc.returncode == 0, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 

@@ -59,3 +59,25 @@ def test_malicious_pickle_is_refused(tmp_path):
     ok = tmp_path / "ok.pt"
     torch.save({"w": torch.ones(3), "step": 4}, ok)
     assert safe_torch_load(ok)["step"] == 4
+
+
+@pytest.fixture
+def umask_027():
+    import os
+
+    old = os.umask(0o027)
+    try:
+        yield 0o640
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.parametrize("limit", ["5GB", "10KB"])
+def test_written_weights_honour_the_umask(tmp_path, umask_027, limit):
+    """Issue 14 item 20: safetensors writes 0600 whatever the umask; every other file gets 0666 & ~umask."""
+    import os
+
+    paths = save_sharded(_state(), tmp_path, max_shard_size=limit)
+    assert paths
+    for p in tmp_path.iterdir():
+        assert os.stat(p).st_mode & 0o777 == umask_027, (p.name, oct(os.stat(p).st_mode))

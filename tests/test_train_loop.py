@@ -115,6 +115,37 @@ def test_resume_auto_never_picks_a_folder_cut_off_mid_write(tmp_path):
     assert ckpt_mod.resolve_resume("auto", tmp_path / "empty") is None
 
 
+def test_incomplete_checkpoint_message_names_the_missing_file(tmp_path):
+    """Issue 14 item 18: a marker that lists a file no longer there is not 'no valid marker'."""
+    lying = _fake_complete(tmp_path, 20)
+    (lying / ckpt_mod.MARKER).write_text(json.dumps({"step": 20, "files": ["trainer.pt", "accelerate/model.safetensors"]}))
+    with pytest.raises(ValueError, match=r"accelerate/model\.safetensors listed in its COMPLETE marker is missing") as err:
+        ckpt_mod.resolve_resume(str(lying), tmp_path)
+    assert "no valid" not in str(err.value)
+    unmarked = tmp_path / "step_00000024"
+    unmarked.mkdir()
+    with pytest.raises(ValueError, match="no COMPLETE marker"):
+        ckpt_mod.resolve_resume(str(unmarked), tmp_path)
+    from omniloom.pretrain.export import resolve_checkpoint
+
+    with pytest.raises(ValueError, match=r"accelerate/model\.safetensors listed"):
+        resolve_checkpoint(lying)
+
+
+def test_checkpoint_files_honour_the_umask(tmp_path):
+    """Issue 14 item 20: accelerate's model.safetensors came out 0600 beside 0644 files."""
+    import os
+
+    old = os.umask(0o027)
+    try:
+        _trainer(tmp_path, "train.num_steps=1", "checkpoint.every=0").fit()
+    finally:
+        os.umask(old)
+    files = [p for p in ckpt_mod.latest_checkpoint(tmp_path / "checkpoints").rglob("*") if p.is_file()]
+    assert any(p.name.endswith(".safetensors") for p in files)
+    assert {p.name: oct(os.stat(p).st_mode & 0o777) for p in files} == {p.name: oct(0o640) for p in files}
+
+
 def test_save_interrupted_before_rename_leaves_nothing_visible(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=0", "checkpoint.keep_last=2")
     trainer.fit()
@@ -292,6 +323,57 @@ def test_sigterm_finishes_step_saves_and_returns(tmp_path):
     assert latest.name == "step_00000003" and ckpt_mod.is_complete(latest)
     state = torch.load(latest / "data_rank00000.pt", weights_only=True)
     assert state == {"consumed": 3}  # ... but the checkpoint resumes at the first batch not trained on
+
+
+class _Payload:
+    """A pickle that would create a file when unpickled."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True), GradientState._reset_state(), PartialState._reset_state()
+
+
+@pytest.mark.parametrize("tamper, match", [
+    ("optimizer_payload", r"refusing to resume from .*: accelerate/optimizer\.bin holds pickled objects"),
+    ("trainer_payload", r"refusing to resume from .*: trainer\.pt holds pickled objects"),
+    ("rng_payload", r"refusing to resume from .*: accelerate/random_states_0\.pkl holds pickled objects"),
+    ("rng_truncated", r"cannot resume from .*: accelerate/random_states_0\.pkl is unreadable"),
+    ("rng_wrong_keys", r"cannot resume from .*: accelerate/random_states_0\.pkl is unreadable"),
+])
+def test_resume_refuses_unsafe_or_corrupt_state_in_one_line(tmp_path, tamper, match):
+    """Issue 14 item 4: a pickle payload ended in a raw UnpicklingError (with torch's hint to use
+    weights_only=False), and an unreadable RNG file was skipped with an INFO line, so the resumed
+    run silently stopped being exact. Both are now a ValueError (one line, exit 2 in the CLI)."""
+    _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=2").fit()
+    ckpt = ckpt_mod.latest_checkpoint(tmp_path / "checkpoints")
+    _reset_accelerate()
+    resumed = _trainer(tmp_path, "train.num_steps=3", f"checkpoint.resume={ckpt}")  # the untouched one resumes
+    assert resumed.step == 2
+    _reset_accelerate()
+    marker = tmp_path / "pwned"
+    rng = ckpt / "accelerate" / "random_states_0.pkl"
+    if tamper == "optimizer_payload":
+        torch.save({"state": _Payload(marker)}, ckpt / "accelerate" / "optimizer.bin")
+    elif tamper == "trainer_payload":
+        torch.save({"step": _Payload(marker)}, ckpt / "trainer.pt")
+    elif tamper == "rng_payload":
+        torch.save({"random_state": _Payload(marker)}, rng)
+    elif tamper == "rng_truncated":
+        rng.write_bytes(rng.read_bytes()[:100])
+    else:
+        torch.save({"step": 2}, rng)
+    with pytest.raises(ValueError, match=match) as err:
+        _trainer(tmp_path, "train.num_steps=3", f"checkpoint.resume={ckpt}")
+    assert "weights_only=False" not in str(err.value) and "\n" not in str(err.value)
+    assert not marker.exists()
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
