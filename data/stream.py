@@ -280,6 +280,11 @@ class StreamDataset(torch.utils.data.IterableDataset):
             stream.close()
 
 
+def _one_thread_worker(_worker_id: int) -> None:
+    # Decoding and tokenizing need no intra-op parallelism; the trainer's process holds the cores.
+    torch.set_num_threads(1)
+
+
 class StreamLoader:
     """Iterates PackedBatch for one rank; `state_dict()`/`load_state_dict()` give exact resume.
 
@@ -320,7 +325,8 @@ class StreamLoader:
         else:
             items = iter(torch.utils.data.DataLoader(
                 ds, batch_size=None, num_workers=self.cfg.num_workers,
-                prefetch_factor=self.cfg.prefetch_factor, pin_memory=self.pin_memory, persistent_workers=False))
+                prefetch_factor=self.cfg.prefetch_factor, pin_memory=self.pin_memory, persistent_workers=False,
+                worker_init_fn=_one_thread_worker))
         for batch, meta in items:
             assert meta["index"] == self.consumed, f"batch {meta['index']} arrived when {self.consumed} was due"
             self._states[meta["worker"]] = meta["state"]

@@ -45,6 +45,9 @@ class TrainConfig:
     eval_steps: int = 10
     max_bad_steps: int = 5  # non-finite loss/grad-norm steps in a row before the run stops
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # torch CPU threads per process; 0: cores // processes on this machine, less one per DataLoader
+    # worker (pretrain/threads.py), unless OMP_NUM_THREADS is set
+    num_threads: int = 0
     # DDP: a batch without video (or images) leaves that patch embedding without a gradient, which
     # plain DDP treats as an error; turn off only for models whose every parameter is always used.
     find_unused_parameters: bool = True

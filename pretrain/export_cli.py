@@ -23,12 +23,12 @@ def _export(args) -> int:
 
 
 def _set_threads(n: int | None) -> None:
-    if n is not None:
-        import torch
+    """--threads N, else OMP_NUM_THREADS, else the cores this process may use (pretrain/threads.py)."""
+    from .threads import configure_threads
 
-        if n < 1:
-            raise ValueError("--threads must be >= 1")
-        torch.set_num_threads(n)
+    if n is not None and n < 1:
+        raise ValueError("--threads must be >= 1")
+    configure_threads(n or 0, option="--threads")
 
 
 def _eval(args) -> int:
@@ -111,7 +111,7 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the export's, or the run's data.tokenizer)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: OMP_NUM_THREADS, else the cores available)")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser(
@@ -132,7 +132,7 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="also write the generated text to this file")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (reference, slow)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice; decode steps are "
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: OMP_NUM_THREADS, else the cores available; decode steps are "
                    "small, so 1 is often fastest on a busy CPU)")
     p.set_defaults(func=_generate)
 
@@ -186,5 +186,5 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: OMP_NUM_THREADS, else the cores available)")
     p.set_defaults(func=_bench_generate)

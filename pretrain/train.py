@@ -33,6 +33,7 @@ from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetec
 from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
 from .optim import build_optimizer, build_scheduler
 from .parallel import apply_parallelism, seed_everything, set_deterministic
+from .threads import configure_threads
 
 log = logging.getLogger("omniloom.train")
 
@@ -91,6 +92,8 @@ class Trainer:
                              "data.sources='[{path: shards/train}]' data.tokenizer=tok")
         # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / "checkpoints")
+        configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
+                          quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0)
         self.acc = make_accelerator(cfg)
         set_deterministic(cfg.train.deterministic)
         self._build_loader = build_loader or B.build_loader
