@@ -93,7 +93,7 @@ def run_demo(out: Path, *, steps: int, processes: int, overrides: list[str], fre
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, processes))))
+    # torch threads: each stage picks its own from the cores and processes (pretrain/threads.py)
     timings = {}
     for stage in demo_stages(out, steps=steps, processes=processes, overrides=overrides):
         if stage.done_when.exists():

@@ -31,6 +31,11 @@ def test_explicit_choices_win():
     assert (c.threads, c.reason) == (3, "set by train.num_threads")
     c = choose_threads(0, num_workers=2, env={"OMP_NUM_THREADS": "5"}, cores=2)
     assert (c.threads, c.reason) == (5, "set by OMP_NUM_THREADS")
+    # accelerate launch / torchrun export OMP_NUM_THREADS=1 to every rank by default: not a choice
+    launched = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert choose_threads(0, num_workers=0, env=launched, cores=16).threads == 8
+    assert choose_threads(0, num_workers=0, env={**launched, "OMP_NUM_THREADS": "3"}, cores=16).threads == 3
+    assert choose_threads(0, num_workers=0, env={"OMP_NUM_THREADS": "1"}, cores=16).threads == 1
     with pytest.raises(ValueError, match="train.num_threads must be >= 0"):
         choose_threads(-1, env={})
 
