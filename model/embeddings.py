@@ -28,7 +28,7 @@ class MultimodalEmbedding(nn.Module):
         P = patches_PDp.shape[0] if patches_PDp is not None else 0
         if self.patch_token_id < 0:
             if P:
-                raise ValueError("the batch has patches but model.patch_token_id is -1: set it from tokenizer.json")
+                raise ValueError("the batch has patches but model.patch_token_id is -1: set it from omniloom_tokenizer.json")
             return x_BSD
         where_P = (input_ids_BS.reshape(-1) == self.patch_token_id).nonzero().squeeze(1)  # row-major, as PackedBatch
         if where_P.numel() != P:
@@ -44,7 +44,7 @@ class MultimodalEmbedding(nn.Module):
             if patches_PDp.shape[1] < proj.in_features:
                 raise ValueError(
                     f"patch rows have {patches_PDp.shape[1]} values but {'image' if code == IMAGE else 'video'} "
-                    f"patches need {proj.in_features}: check model.patch_dim / model.tubelet_dim against tokenizer.json"
+                    f"patches need {proj.in_features}: check model.patch_dim / model.tubelet_dim against omniloom_tokenizer.json"
                 )
             vec = patches_PDp.index_select(0, rows)[:, : proj.in_features].to(proj.weight.dtype)
             emb_PD = emb_PD.index_copy(0, rows, proj(vec).to(emb_PD.dtype))

@@ -64,7 +64,7 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
         Stage("tokenizer train", _omniloom("tokenizer", "train", "--data", str(shards / "synthetic"), str(shards / "real"),
                                            "--vocab-size", "2048", "--image-patch-budget", "16", "--video-frame-budget", "4",
                                            "--video-patch-budget", "16", "--out", str(tok)),
-              tok / "tokenizer.json"),
+              tok / "omniloom_tokenizer.json"),
         Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo", "--no-progress",
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
               run / "checkpoints" / f"step_{steps:08d}"),

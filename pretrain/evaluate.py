@@ -68,8 +68,8 @@ def open_model(path: str | Path, *, device: str = "cpu", tokenizer: str | Path |
         from omniloom.model.pretrained import load_pretrained, read_export_config
 
         seq_len = (read_export_config(p).get("source") or {}).get("seq_len")
+        tok = Tokenizer.load(tokenizer or p)  # cheap, and checks tokenizer.model's sha256 first
         model = load_pretrained(p, device=device)
-        tok = Tokenizer.load(tokenizer or p)
         return model, tok, seq_len
     from .export import load_checkpoint_model
 
