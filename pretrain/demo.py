@@ -24,6 +24,10 @@ class Stage:
     argv: list[str]
     done_when: Path  # the stage is complete when this file exists
     env: dict[str, str] = field(default_factory=dict)
+    also_done_when: tuple[Path, ...] = ()  # older names of the same output
+
+    def done(self) -> bool:
+        return self.done_when.exists() or any(p.exists() for p in self.also_done_when)
 
 
 def _omniloom(*args: str) -> list[str]:
@@ -64,7 +68,7 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
         Stage("tokenizer train", _omniloom("tokenizer", "train", "--data", str(shards / "synthetic"), str(shards / "real"),
                                            "--vocab-size", "2048", "--image-patch-budget", "16", "--video-frame-budget", "4",
                                            "--video-patch-budget", "16", "--out", str(tok)),
-              tok / "omniloom_tokenizer.json"),
+              tok / "omniloom_tokenizer.json", also_done_when=(tok / "tokenizer.json",)),  # a demo_out from before the rename
         Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo", "--no-progress",
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
               run / "checkpoints" / f"step_{steps:08d}"),
@@ -96,7 +100,7 @@ def run_demo(out: Path, *, steps: int, processes: int, overrides: list[str], fre
     # torch threads: each stage picks its own from the cores and processes (pretrain/threads.py)
     timings = {}
     for stage in demo_stages(out, steps=steps, processes=processes, overrides=overrides):
-        if stage.done_when.exists():
+        if stage.done():
             print(f"[demo] {stage.name}: already done ({stage.done_when})", flush=True)
             continue
         print(f"[demo] {stage.name}: {' '.join(shlex.quote(a) for a in stage.argv)}", flush=True)

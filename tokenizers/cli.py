@@ -29,7 +29,8 @@ def register(subparsers) -> None:
         "tokenizer",
         help="train and use the text/code/image/video tokenizer",
         description="Train the SentencePiece BPE tokenizer on the text and code of a shard set, "
-        "encode/decode text with it, and inspect how documents tokenize (DESIGN 2.2).",
+        "encode/decode text with it, and inspect how documents tokenize. The token layout and the tokenizer folder's files are "
+        "described in docs/data-format.md of the omniloom repository.",
     )
     sub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
