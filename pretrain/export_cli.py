@@ -48,6 +48,11 @@ def _eval(args) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
+    c = result["counts"]
+    skipped = sum(c.get("skipped", {}).values())
+    print(f"scored {c['docs']} of {c['docs_available']} documents"
+          + (f" (--max-docs {args.max_docs})" if args.max_docs and c["docs_read"] < c["docs_available"] else "")
+          + (f"; {skipped} skipped: {c['skipped']}" if skipped else ""))
     loss = result["loss"]
     print("loss (nats/token): " + ", ".join(f"{k}={v:.4f}" for k, v in loss.items()))
     gap = result["cross_modal_gap"]
@@ -108,7 +113,7 @@ def register(sub) -> None:
     )
     p.add_argument("model", metavar="DIR_OR_RUN", help="an export folder, a run folder or a checkpoint folder")
     p.add_argument("--data", required=True, help="held-out shards: a folder with manifest.json, a brace pattern or URL (comma-separate several)")
-    p.add_argument("--max-docs", type=int, default=200, help="documents to score, in manifest order (default 200)")
+    p.add_argument("--max-docs", type=int, default=None, help="score only the first N documents, in manifest order (default: all)")
     p.add_argument("--max-len", type=int, default=None, help="score longer documents in pieces of this many tokens (default: the run's seq_len, else 8192)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the export's, or the run's data.tokenizer)")
