@@ -66,6 +66,9 @@ class LoggingConfig:
     tensorboard: bool = True
     spike_window: int = 128
     spike_sigma: float = 6.0
+    # without a terminal for the progress bar (launcher, pipe, log file): one progress line every N
+    # seconds on rank 0 (step, loss, tokens/s, time left); 0: none
+    progress_seconds: float = 30.0
 
 
 @dataclass(kw_only=True)

@@ -69,7 +69,7 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
                                            "--vocab-size", "2048", "--image-patch-budget", "16", "--video-frame-budget", "4",
                                            "--video-patch-budget", "16", "--out", str(tok)),
               tok / "omniloom_tokenizer.json", also_done_when=(tok / "tokenizer.json",)),  # a demo_out from before the rename
-        Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo", "--no-progress",
+        Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo",
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
               run / "checkpoints" / f"step_{steps:08d}"),
         Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
@@ -150,10 +150,12 @@ def _summary(out: Path, timings: dict) -> None:
 def register(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="run the whole pipeline on an embedded demo corpus (CPU, ~15 minutes)",
+        help="run the whole pipeline on an embedded demo corpus (CPU; ~5 minutes on an idle 2-core machine)",
         description="Demo corpus -> data build -> tokenizer train -> accelerate launch training of a tiny "
-        "sparse-attention MoE -> eval -> export -> generate from an image -> HTML report. Finished stages "
-        "are skipped on a re-run (use --fresh to start over).",
+        "sparse-attention MoE -> eval -> export -> generate from an image -> HTML report. Takes about 5 minutes "
+        "on an idle 2-core machine (training is ~4 of them; 4 min 18 s measured, BENCHMARKS.md), several times "
+        "longer when other jobs share the cores. Training shows a progress bar on a terminal, else a line every "
+        "30 s (step, loss, tokens/s, time left). Finished stages are skipped on a re-run (use --fresh to start over).",
     )
     p.add_argument("--out", default="demo_out", help="folder for every artifact (default: ./demo_out)")
     p.add_argument("--steps", type=int, default=500, help="training steps (default 500)")

@@ -143,7 +143,8 @@ class Trainer:
         cfg, acc = self.cfg, self.acc
         logger = MetricsLogger(acc, self.run_dir, total_steps=cfg.train.num_steps, start_step=self.step,
                                tensorboard=cfg.logging.tensorboard, run_name=self.run_dir.name,
-                               hparams=to_dict(cfg), progress=self.progress)
+                               hparams=to_dict(cfg), progress=self.progress,
+                               progress_seconds=cfg.logging.progress_seconds)
         self.shutdown.install()
         losses: list[float] = []
         window = _Window()
@@ -170,7 +171,7 @@ class Trainer:
                     record.update(self._window_metrics(window))
                     window = _Window()
                 logger.log(record, self.step)
-                logger.progress(self.step, {"loss": stats["loss"], "lr": record["lr"]})
+                logger.progress(self.step, {"loss": stats["loss"], "lr": record["lr"]}, tokens_seen=self.tokens_seen)
 
                 stop = stats["stop"] > 0  # a signal reached some rank during this step
                 if stop or self._due(cfg.checkpoint.every) or self.step == cfg.train.num_steps:
