@@ -148,8 +148,11 @@ class MetricsLogger:
         self._fh = open(self.path, "a", buffering=1)
         if tensorboard and accelerator.log_with:
             try:
-                accelerator.init_trackers(run_name, config=_flat_hparams(hparams or {}))
+                # No config= here: accelerate's store_init_configuration writes the hyperparameters
+                # into an extra run `<run_name>/<timestamp>` that holds nothing else.
+                accelerator.init_trackers(run_name)
                 self._trackers = True
+                _write_hparams(accelerator.get_tracker("tensorboard", unwrap=True), _flat_hparams(hparams or {}))
             except Exception as err:  # a tracker that cannot start must not kill the run
                 log.warning("TensorBoard tracker disabled: %s", err)
         if progress and _is_terminal(sys.stderr):
@@ -212,6 +215,19 @@ class MetricsLogger:
         self._fh.close()
         if self._trackers:
             self.acc.end_training()
+
+
+def _write_hparams(writer, flat: dict) -> None:
+    """The run config as TensorBoard hyperparameters, in the main run's own event file (what
+    SummaryWriter.add_hparams does, minus the sub-run it creates)."""
+    if not flat or writer is None or not hasattr(writer, "file_writer"):
+        return
+    from torch.utils.tensorboard.summary import hparams
+
+    exp, ssi, sei = hparams(flat, {})
+    for summary in (exp, ssi, sei):
+        writer.file_writer.add_summary(summary)
+    writer.flush()
 
 
 def _is_terminal(stream) -> bool:
