@@ -97,7 +97,11 @@ def run_demo(out: Path, *, steps: int, processes: int, overrides: list[str], fre
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    # torch threads: each stage picks its own from the cores and processes (pretrain/threads.py)
+    # One torch thread per core per training process, for every stage: on a shared 2-core machine two
+    # threads per process run several times slower as soon as other jobs take a core (the
+    # one-process eval of 298 held-out documents: 110 s with 2 threads on a busy machine). Each
+    # stage still logs its choice (pretrain/threads.py); an OMP_NUM_THREADS already set wins.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, processes))))
     timings = {}
     for stage in demo_stages(out, steps=steps, processes=processes, overrides=overrides):
         if stage.done():

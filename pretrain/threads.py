@@ -108,7 +108,8 @@ def configure_threads(requested: int = 0, *, num_workers: int = 0, quiet: bool =
     choice = choose_threads(requested, num_workers=num_workers, option=option)
     torch.set_num_threads(choice.threads)
     if not quiet:
-        log.info("torch threads per process: %d (%s; override with %s=N or OMP_NUM_THREADS)",
-                 choice.threads, choice.reason, option)
+        how = f"{option} N" if option.startswith("--") else f"{option}=N"
+        log.info("torch threads per process: %d (%s; override with %s or OMP_NUM_THREADS)",
+                 choice.threads, choice.reason, how)
     return choice.threads
 
