@@ -12,16 +12,16 @@ DataLoader worker it feeds, and never less than one thread:
 `cores` is the CPU affinity of this process (os.sched_getaffinity), capped by a cgroup CPU quota
 when the container has one; `processes_on_this_machine` is LOCAL_WORLD_SIZE (set by accelerate
 launch and torchrun), else 1. An explicit choice wins: the config value (`train.num_threads`,
-`--threads`), else an OMP_NUM_THREADS set in the environment.
+`--threads`), else an OMP_NUM_THREADS set in the environment. Under a launcher (LOCAL_WORLD_SIZE
+set) OMP_NUM_THREADS=1 is what accelerate launch and torchrun put there when nobody asked, so it
+is not taken as a choice: pass train.num_threads=1 to force one thread there. DataLoader workers
+get one thread each (`omniloom.data.stream` gives them a worker_init_fn).
 
 The trade-off, measured with the `tiny` preset (1 process, 2 workers) on a 2-core machine: nearly
 idle, 2 threads take 0.15 s per step and the 1 thread chosen here 0.33 s (the workers were mostly
 waiting); with one other busy process 0.49 s against 0.23 s; shared with other jobs (load 4-7)
 2.0 s against 0.4 s. Undersubscribing costs at most the reserved cores; oversubscribing costs
-several times the step. On a dedicated machine set `train.num_threads` to take every core. Under a launcher (LOCAL_WORLD_SIZE
-set) OMP_NUM_THREADS=1 is what accelerate launch and torchrun put there when nobody asked, so it
-is not taken as a choice: pass train.num_threads=1 to force one thread there. DataLoader workers get one thread
-each (`omniloom.data.stream` gives them a worker_init_fn).
+several times the step. On a dedicated machine, set `train.num_threads` to use every core.
 """
 
 from __future__ import annotations
