@@ -127,9 +127,14 @@ def _summary(out: Path, timings: dict) -> None:
     eval_path = out / "eval.json"
     if eval_path.exists():
         ev = json.loads(eval_path.read_text())
-        for key in ("loss", "cross_modal_gap"):
-            if key in ev:
-                print(f"  {key}: {json.dumps(ev[key], sort_keys=True)}")
+        def fmt(values: dict, sign: str = "") -> str:  # 4 significant digits, not 16
+            return ", ".join(f"{k} {'n/a' if v is None else format(v, sign + '.4g')}" for k, v in sorted(values.items()))
+
+        if "loss" in ev:
+            docs = (ev.get("counts") or {}).get("docs")
+            print(f"  held-out loss (omniloom eval{f', {docs} documents' if docs else ''}, nats/token): {fmt(ev['loss'])}")
+        if "cross_modal_gap" in ev:
+            print(f"  cross-modal gap (nats/token; > 0: the model reads its pixels): {fmt(ev['cross_modal_gap'], '+')}")
     metrics = out / "run" / "metrics.jsonl"
     if metrics.exists():
         from .metrics import read_metrics

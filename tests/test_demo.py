@@ -48,3 +48,17 @@ def test_full_demo_learns_to_read_pixels(tmp_path):
     evals = [r for r in rows if "eval/loss/text" in r]
     assert evals[0]["step"] == 0 and evals[-1]["eval/loss/text"] < evals[0]["eval/loss/text"]
     assert Path(out / "run" / "report" / "index.html").is_file() and (out / "export" / "config.json").is_file()
+
+
+def test_summary_prints_eval_figures_with_four_significant_digits(tmp_path, capsys):
+    import json
+
+    from omniloom.pretrain.demo import _summary
+
+    (tmp_path / "eval.json").write_text(json.dumps({"loss": {"all": 0.3295930972540403, "text": 0.31777957950924174},
+                                                    "cross_modal_gap": {"image": 1.6265296126681033, "video": None},
+                                                    "counts": {"docs": 298}}))
+    _summary(tmp_path, {"eval": 9.8})
+    out = capsys.readouterr().out
+    assert "held-out loss (omniloom eval, 298 documents, nats/token): all 0.3296, text 0.3178" in out
+    assert "image +1.627, video n/a" in out and "0.3295930972540403" not in out
