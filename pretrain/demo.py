@@ -74,7 +74,8 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
               run / "checkpoints" / f"step_{steps:08d}"),
         Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
                                 "--no-progress"), out / "eval.json"),
-        Stage("export", _omniloom("export", str(run), "--out", str(export)), export / "config.json"),
+        # --force: an export cut off before its config.json is redone (the demo owns that folder)
+        Stage("export", _omniloom("export", str(run), "--out", str(export), "--force"), export / "config.json"),
         Stage("generate from an image", _omniloom("generate", str(export), "--image", str(_first_heldout_image(corpus)),
                                                   "--prompt", "", "--max-new-tokens", "16", "--out", str(out / "generate.txt")),
               out / "generate.txt"),

@@ -33,6 +33,8 @@ def test_every_stage_parses_with_the_real_cli(tmp_path):
             assert cfg.checkpoint.resume == "auto"  # an interrupted demo continues its training
             assert [s.weight for s in cfg.data.sources] == [250.0, 1.0]
             assert stage.done_when.name == "step_00000007"
+    export = next(st for st in stages if st.name == "export")
+    assert "--force" in export.argv  # an export cut off before config.json is redone, not refused
 
 
 @pytest.mark.slow
