@@ -67,7 +67,7 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
               shards / "heldout" / "manifest.json"),
         Stage("tokenizer train", _omniloom("tokenizer", "train", "--data", str(shards / "synthetic"), str(shards / "real"),
                                            "--vocab-size", "2048", "--image-patch-budget", "16", "--video-frame-budget", "4",
-                                           "--video-patch-budget", "16", "--out", str(tok)),
+                                           "--video-patch-budget", "16", "--out", str(tok), "--force"),  # redo a cut-off write
               tok / "omniloom_tokenizer.json", also_done_when=(tok / "tokenizer.json",)),  # a demo_out from before the rename
         Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo",
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training

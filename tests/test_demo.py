@@ -35,6 +35,7 @@ def test_every_stage_parses_with_the_real_cli(tmp_path):
             assert stage.done_when.name == "step_00000007"
     export = next(st for st in stages if st.name == "export")
     assert "--force" in export.argv  # an export cut off before config.json is redone, not refused
+    assert "--force" in next(st for st in stages if st.name == "tokenizer train").argv
 
 
 @pytest.mark.slow
