@@ -20,6 +20,7 @@ inputs:
     .html                      -> one interleaved document: text blocks and local <img>/<video> in order
     .jsonl                     -> one document per line: {"schema":1,"segments":[...]} or OBELICS
                                   {"texts":[...],"images":[...]}; media paths relative to the JSONL file
+                                  (both layouts and the shard format: docs/data-format.md in the repository)
   media that an HTML page or JSONL record references is not also made a standalone document
   (--standalone-referenced changes that; otherwise its caption sidecar is listed in rejects.jsonl).
 

@@ -154,6 +154,10 @@ def resolve_source(source: SourceConfig) -> ShardSet:
             manifest_url = path
         else:
             urls = _expand(path)
+            missing = [u for u in urls if is_local(u) and not os.path.exists(_local_path(u))]
+            if missing:  # before any "no manifest" warning: the path itself is wrong
+                what = "no such folder or shard file" if len(urls) == 1 else f"{len(missing)} of {len(urls)} shards do not exist, e.g. '{missing[0]}'"
+                raise FileNotFoundError(f"source '{path}': {what}; point data.sources at a folder made by `omniloom data build`")
             beside = _join(_dirname(urls[0]), "manifest.json")
             if is_local(beside):
                 manifest_url = beside if os.path.exists(beside) else ""

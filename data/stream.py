@@ -117,6 +117,7 @@ def _worker_init(worker_id: int) -> None:
     # As early as torch allows (its own SIGTERM handler is in place by now, and would let a group
     # signal kill the worker): not at the first batch, which a worker may reach seconds later.
     _guard_worker()
+    _one_thread_worker(worker_id)
 
 
 class _SourceCursor:
@@ -349,6 +350,11 @@ class StreamDataset(torch.utils.data.IterableDataset):
             stream.close()
 
 
+def _one_thread_worker(_worker_id: int) -> None:
+    # Decoding and tokenizing need no intra-op parallelism; the trainer's process holds the cores.
+    torch.set_num_threads(1)
+
+
 class StreamLoader:
     """Iterates PackedBatch for one rank; `state_dict()`/`load_state_dict()` give exact resume.
 
@@ -543,6 +549,37 @@ class DocumentTokenizer:
                                  media_errors="raise" if self.media_errors == "skip" else "drop")
 
 
+_BUDGET_LOGGED: set[str] = set()
+
+
+def _log_visual_budget(seq_len: int, settings, rank: int) -> None:
+    """One plain log line per process (rank 0 only) when the tokenizer's largest image or video block
+    cannot fit a row, saying what to change; not a Python warning with a source line, and not
+    again for every loader the run builds (each evaluation builds one)."""
+    import warnings
+
+    from .config import check_visual_budget
+
+    frames = -(-settings.video_frame_budget // settings.temporal_patch_size)
+    video = settings.video_patch_budget * frames
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        messages = check_visual_budget(seq_len, max_image_patches=settings.image_patch_budget, max_video_patches=video)
+    for msg in messages:
+        if msg in _BUDGET_LOGGED:
+            continue
+        _BUDGET_LOGGED.add(msg)
+        kind = "video" if "video block" in msg else "image"
+        fix = ("retrain the tokenizer with a smaller --video-frame-budget or --video-patch-budget "
+               f"(now {settings.video_frame_budget} frames x {settings.video_patch_budget} patches per {settings.temporal_patch_size} frames)"
+               if kind == "video" else f"retrain the tokenizer with a smaller --image-patch-budget (now {settings.image_patch_budget})")
+        need = (video if kind == "video" else settings.image_patch_budget) + 2
+        (log.warning if rank == 0 else log.debug)(
+            "data.seq_len=%d is shorter than the tokenizer's largest %s block (%d tokens): longer %ss are skipped "
+            "and counted (data/skipped/visual_block_too_long); set data.seq_len=%d or more, or %s",
+            seq_len, kind, need, kind, need, fix)
+
+
 def build_loader(data_cfg: DataConfig, tokenize_fn: TokenizeFn | None = None, *, rank: int = 0,
                  world_size: int = 1, split: str = "train", max_batches: int | None = None,
                  pin_memory: bool = False, pad_id: int | None = None, patch_dim: int | None = None) -> StreamLoader:
@@ -574,11 +611,7 @@ def build_loader(data_cfg: DataConfig, tokenize_fn: TokenizeFn | None = None, *,
     elif isinstance(tokenize_fn, DocumentTokenizer):
         tok = tokenize_fn.tokenizer
     if tok is not None:
-        from .config import check_visual_budget
-
-        s = tok.settings
-        check_visual_budget(data_cfg.seq_len, max_image_patches=s.image_patch_budget,
-                            max_video_patches=s.video_patch_budget * -(-s.video_frame_budget // s.temporal_patch_size))
+        _log_visual_budget(data_cfg.seq_len, tok.settings, rank)
         pad_id = tok.pad_id if pad_id is None else pad_id
         patch_dim = max(tok.patch_dim, tok.tubelet_dim) if patch_dim is None else patch_dim
     if patch_dim is None:

@@ -290,7 +290,7 @@ def parse_input_document(obj) -> tuple[list[dict], dict]:
         return _parse_obelics(obj)
     raise Reject(
         "schema",
-        "unknown record layout: expected 'segments' (omniloom schema, DESIGN 2.1) or parallel "
+        "unknown record layout: expected 'segments' (omniloom schema, docs/data-format.md) or parallel "
         f"'texts' and 'images' lists (OBELICS); got keys {sorted(obj)[:8]}",
     )
 

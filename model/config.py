@@ -69,7 +69,7 @@ class MoEConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """The decoder. `vocab_size` and `patch_token_id` come from tokenizer.json (pretrain/ fills
+    """The decoder. `vocab_size` and `patch_token_id` come from omniloom_tokenizer.json (pretrain/ fills
     them); `rope_sections` splits the head dim between the (t, h, w) position axes (M-RoPE) and
     sums to `dim // num_heads`. Image patches occupy the first `patch_dim` columns of the
     PackedBatch `patches` rows, video tubelets the first `tubelet_dim`."""
@@ -78,10 +78,10 @@ class ModelConfig:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
-    vocab_size: int = 0  # 0: taken from tokenizer.json by pretrain/
-    patch_token_id: int = -1  # id of <|patch|>; -1: taken from tokenizer.json by pretrain/
+    vocab_size: int = 0  # 0: taken from omniloom_tokenizer.json by pretrain/
+    patch_token_id: int = -1  # id of <|patch|>; -1: taken from omniloom_tokenizer.json by pretrain/
     # id of the packing pad token: padding is routed (static shapes) but never counted in expert
-    # loads, balancing or aux losses; -1: taken from tokenizer.json by pretrain/ (-1 there: no padding)
+    # loads, balancing or aux losses; -1: taken from omniloom_tokenizer.json by pretrain/ (-1 there: no padding)
     pad_token_id: int = -1
     rope_base: float = 10000.0
     rope_sections: tuple[int, int, int] = (16, 24, 24)  # head-dim split (t, h, w); sums to head_dim
@@ -121,7 +121,7 @@ class ModelConfig:
         """Raise ValueError naming the key to change when the combination cannot work."""
         att, moe = self.attention, self.moe
         if self.vocab_size <= 0:
-            raise ValueError("model.vocab_size is 0: set it from tokenizer.json (pretrain fills it) or pass model.vocab_size=N")
+            raise ValueError("model.vocab_size is 0: set it from omniloom_tokenizer.json (pretrain fills it) or pass model.vocab_size=N")
         if self.num_heads <= 0 or self.dim % self.num_heads:
             raise ValueError(f"model.dim={self.dim} must be a multiple of model.num_heads={self.num_heads}")
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:

@@ -32,7 +32,7 @@ class MultimodalEmbedding(nn.Module):
         P = patches_PDp.shape[0] if patches_PDp is not None else 0
         if self.patch_token_id < 0:
             if P:
-                raise ValueError("the batch has patches but model.patch_token_id is -1: set it from tokenizer.json")
+                raise ValueError("the batch has patches but model.patch_token_id is -1: set it from omniloom_tokenizer.json")
             return x_BSD
         is_patch_T = input_ids_BS.reshape(-1) == self.patch_token_id  # row-major, as PackedBatch
         torch._assert_async(

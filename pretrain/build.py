@@ -15,7 +15,6 @@ Legend: M modalities (5), L layers, E experts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,7 +36,8 @@ class Loader(Protocol):
 
 def resolve_model_config(cfg) -> Any:
     """Fill the model fields the tokenizer decides (DESIGN 2.3): `vocab_size`, `patch_token_id`
-    (id of <|patch|>), `pad_token_id` (packing pad), `patch_dim` and `tubelet_dim`, from `data.tokenizer/tokenizer.json`.
+    (id of <|patch|>), `pad_token_id` (packing pad), `patch_dim` and `tubelet_dim`, from the tokenizer
+    in `data.tokenizer` (loaded, so a tokenizer.model that does not match its recorded sha256 fails here).
     Returns a new RunConfig. A value set explicitly to something else is an error."""
     tok_dir = cfg.data.tokenizer
     if not tok_dir:
@@ -45,12 +45,13 @@ def resolve_model_config(cfg) -> Any:
             raise ValueError("model.vocab_size is 0 and data.tokenizer is empty: set data.tokenizer to a "
                              "folder made by `omniloom tokenizer train` (it fills the vocabulary size)")
         return cfg
-    path = Path(tok_dir)
-    path = path if path.suffix == ".json" else path / "tokenizer.json"
-    if not path.exists():
-        raise FileNotFoundError(f"data.tokenizer={tok_dir}: no tokenizer.json there; train one with "
-                                "`omniloom tokenizer train`")
-    info = json.loads(path.read_text())
+    from omniloom.tokenizers.text import Tokenizer, find_meta_file
+
+    try:
+        path = find_meta_file(tok_dir)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"data.tokenizer={tok_dir}: {err}") from err
+    info = Tokenizer.load(path).to_json()  # checks tokenizer.model against its recorded sha256
     specials = info.get("special_ids") or {}
     found = {"vocab_size": info.get("vocab_size"), "patch_token_id": specials.get("patch"),
              "pad_token_id": specials.get("pad"),

@@ -45,6 +45,9 @@ class TrainConfig:
     eval_steps: int = 10
     max_bad_steps: int = 5  # non-finite loss/grad-norm steps in a row before the run stops
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # torch CPU threads per process; 0: cores // processes on this machine, less one per DataLoader
+    # worker (pretrain/threads.py), unless OMP_NUM_THREADS is set
+    num_threads: int = 0
     # DDP's per-step search for parameters without a gradient. OmniModel puts every parameter in
     # every step's graph (idle patch/tubelet projections and experts run as empty GEMMs), so it is
     # off; turn it on for a custom model that leaves parameters out of some steps.
@@ -64,6 +67,9 @@ class LoggingConfig:
     tensorboard: bool = True
     spike_window: int = 128
     spike_sigma: float = 6.0
+    # without a terminal for the progress bar (launcher, pipe, log file): one progress line every N
+    # seconds on rank 0 (step, loss, tokens/s, time left); 0: none
+    progress_seconds: float = 30.0
 
 
 @dataclass(kw_only=True)

@@ -24,6 +24,10 @@ class Stage:
     argv: list[str]
     done_when: Path  # the stage is complete when this file exists
     env: dict[str, str] = field(default_factory=dict)
+    also_done_when: tuple[Path, ...] = ()  # older names of the same output
+
+    def done(self) -> bool:
+        return self.done_when.exists() or any(p.exists() for p in self.also_done_when)
 
 
 def _omniloom(*args: str) -> list[str]:
@@ -63,14 +67,15 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
               shards / "heldout" / "manifest.json"),
         Stage("tokenizer train", _omniloom("tokenizer", "train", "--data", str(shards / "synthetic"), str(shards / "real"),
                                            "--vocab-size", "2048", "--image-patch-budget", "16", "--video-frame-budget", "4",
-                                           "--video-patch-budget", "16", "--out", str(tok)),
-              tok / "tokenizer.json"),
-        Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo", "--no-progress",
+                                           "--video-patch-budget", "16", "--out", str(tok), "--force"),  # redo a cut-off write
+              tok / "omniloom_tokenizer.json", also_done_when=(tok / "tokenizer.json",)),  # a demo_out from before the rename
+        Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo",
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
               run / "checkpoints" / f"step_{steps:08d}"),
         Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
                                 "--no-progress"), out / "eval.json"),
-        Stage("export", _omniloom("export", str(run), "--out", str(export)), export / "config.json"),
+        # --force: an export cut off before its config.json is redone (the demo owns that folder)
+        Stage("export", _omniloom("export", str(run), "--out", str(export), "--force"), export / "config.json"),
         Stage("generate from an image", _omniloom("generate", str(export), "--image", str(_first_heldout_image(corpus)),
                                                   "--prompt", "", "--max-new-tokens", "16", "--out", str(out / "generate.txt")),
               out / "generate.txt"),
@@ -93,10 +98,14 @@ def run_demo(out: Path, *, steps: int, processes: int, overrides: list[str], fre
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
+    # One torch thread per core per training process, for every stage: on a shared 2-core machine two
+    # threads per process run several times slower as soon as other jobs take a core (the
+    # one-process eval of 298 held-out documents: 110 s with 2 threads on a busy machine). Each
+    # stage still logs its choice (pretrain/threads.py); an OMP_NUM_THREADS already set wins.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, processes))))
     timings = {}
     for stage in demo_stages(out, steps=steps, processes=processes, overrides=overrides):
-        if stage.done_when.exists():
+        if stage.done():
             print(f"[demo] {stage.name}: already done ({stage.done_when})", flush=True)
             continue
         print(f"[demo] {stage.name}: {' '.join(shlex.quote(a) for a in stage.argv)}", flush=True)
@@ -119,9 +128,14 @@ def _summary(out: Path, timings: dict) -> None:
     eval_path = out / "eval.json"
     if eval_path.exists():
         ev = json.loads(eval_path.read_text())
-        for key in ("loss", "cross_modal_gap"):
-            if key in ev:
-                print(f"  {key}: {json.dumps(ev[key], sort_keys=True)}")
+        def fmt(values: dict, sign: str = "") -> str:  # 4 significant digits, not 16
+            return ", ".join(f"{k} {'n/a' if v is None else format(v, sign + '.4g')}" for k, v in sorted(values.items()))
+
+        if "loss" in ev:
+            docs = (ev.get("counts") or {}).get("docs")
+            print(f"  held-out loss (omniloom eval{f', {docs} documents' if docs else ''}, nats/token): {fmt(ev['loss'])}")
+        if "cross_modal_gap" in ev:
+            print(f"  cross-modal gap (nats/token; > 0: the model reads its pixels): {fmt(ev['cross_modal_gap'], '+')}")
     metrics = out / "run" / "metrics.jsonl"
     if metrics.exists():
         from .metrics import read_metrics
@@ -146,10 +160,12 @@ def _summary(out: Path, timings: dict) -> None:
 def register(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="run the whole pipeline on an embedded demo corpus (CPU, ~15 minutes)",
+        help="run the whole pipeline on an embedded demo corpus (CPU; ~5 minutes on an idle 2-core machine)",
         description="Demo corpus -> data build -> tokenizer train -> accelerate launch training of a tiny "
-        "sparse-attention MoE -> eval -> export -> generate from an image -> HTML report. Finished stages "
-        "are skipped on a re-run (use --fresh to start over).",
+        "sparse-attention MoE -> eval -> export -> generate from an image -> HTML report. Takes about 5 minutes "
+        "on an idle 2-core machine (training is ~4 of them; 4 min 18 s measured, BENCHMARKS.md), several times "
+        "longer when other jobs share the cores. Training shows a progress bar on a terminal, else a line every "
+        "30 s (step, loss, tokens/s, time left). Finished stages are skipped on a re-run (use --fresh to start over).",
     )
     p.add_argument("--out", default="demo_out", help="folder for every artifact (default: ./demo_out)")
     p.add_argument("--steps", type=int, default=500, help="training steps (default 500)")

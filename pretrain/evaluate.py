@@ -1,6 +1,6 @@
 """`omniloom eval`: held-out loss and perplexity per modality, and the cross-modal gap.
 
-Documents are read from shards in manifest order (up to `max_docs`), tokenized with the model's own
+Documents are read from shards in manifest order (all of them, or the first `max_docs`), tokenized with the model's own
 tokenizer and scored one document per forward (no packing, so nothing but the document is in
 context); a document longer than `max_len` (default: the run's seq_len) is scored in pieces cut
 the way training cuts it. Cross-entropy is attributed to the modality of the *target* token, as in training.
@@ -68,8 +68,8 @@ def open_model(path: str | Path, *, device: str = "cpu", tokenizer: str | Path |
         from omniloom.model.pretrained import load_pretrained, read_export_config
 
         seq_len = (read_export_config(p).get("source") or {}).get("seq_len")
+        tok = Tokenizer.load(tokenizer or p)  # cheap, and checks tokenizer.model's sha256 first
         model = load_pretrained(p, device=device)
-        tok = Tokenizer.load(tokenizer or p)
         return model, tok, seq_len
     from .export import load_checkpoint_model
 
@@ -163,7 +163,7 @@ def _doc_kind(doc) -> str:
     return "mixed"
 
 
-def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 200, max_len: int | None = None,
+def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = None, max_len: int | None = None,
              progress: bool = True) -> dict:
     """Loss and perplexity per modality, per document kind, and the cross-modal gap (module doc).
     Returns the JSON-able result dict (keys `loss`, `perplexity`, `cross_modal_gap`, `counts`, ...)."""
@@ -176,8 +176,8 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
         raise ValueError("--max-docs must be >= 1")
     max_len = max_len or 8192
     sets = _resolve_sources(data)
-    total = sum(s.num_samples for s in sets)
-    total = min(total, max_docs) if max_docs else total
+    available = sum(s.num_samples for s in sets)
+    total = min(available, max_docs) if max_docs else available
     patch_width = max(tokenizer.patch_dim, tokenizer.tubelet_dim)
     model.eval()
     skipped: Counter = Counter()
@@ -261,7 +261,9 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
         "loss_by_doc_kind": {k: by_kind.mean(k) for k in sorted(by_kind.n)},
         "cross_modal_gap": {},
         "cross_modal_gap_detail": {},
-        "counts": {"docs": counts["docs"], **{k: v for k, v in sorted(counts.items()) if k != "docs"},
+        # docs: scored; docs_read: taken from the shards (max_docs of them at most); docs_available: in the shards
+        "counts": {"docs": counts["docs"], "docs_read": total, "docs_available": available,
+                   **{k: v for k, v in sorted(counts.items()) if k != "docs"},
                    "tokens": dict(by_mod.n), "skipped": dict(skipped)},
     }
     for kind in ("image", "video", "mixed"):

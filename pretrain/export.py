@@ -3,7 +3,10 @@
     export/
       config.json                      model config, tokenizer layout, omniloom version, provenance
       model.safetensors                (or model-0000i-of-0000N.safetensors + model.safetensors.index.json)
-      tokenizer.model, tokenizer.json  the run's tokenizer, byte for byte
+      tokenizer.model                  the run's tokenizer model, byte for byte
+      omniloom_tokenizer.json          its layout, special ids and media settings
+      tokenizer.json, tokenizer_config.json, special_tokens_map.json
+                                       the same tokenizer for Hugging Face's AutoTokenizer
       README.md                        model card: data, steps, tokens, final losses
 
 Checkpoints are read without unpickling anything (issue 9): accelerate's `model.safetensors`
@@ -20,7 +23,6 @@ import io
 import json
 import logging
 import pickle
-import shutil
 import warnings
 from pathlib import Path
 
@@ -32,7 +34,8 @@ from .safe_io import INDEX_NAME, SINGLE_NAME, parse_size, safe_torch_load, save_
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")
+TOKENIZER_FILES = ("tokenizer.model", "omniloom_tokenizer.json", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json")
 # accelerate.save_state file names for the first (only) model, by how the run was sharded
 ACC_SAFETENSORS, ACC_BIN = "model.safetensors", "pytorch_model.bin"
 ACC_FSDP_FULL, ACC_FSDP_DCP = "pytorch_model_fsdp.bin", "pytorch_model_fsdp_0"
@@ -192,8 +195,10 @@ def find_tokenizer_dir(cfg, ckpt: Path, override: str | Path | None = None) -> P
     if not override and cfg.data.tokenizer:
         t = Path(cfg.data.tokenizer)
         candidates += [t] if t.is_absolute() else [t, Path(ckpt).parent.parent / t]
+    from omniloom.tokenizers.text import MODEL_FILE, has_tokenizer
+
     for c in candidates:
-        if all((c / f).is_file() for f in TOKENIZER_FILES):
+        if (c / MODEL_FILE).is_file() and has_tokenizer(c):
             return c
     tried = ", ".join(str(c) for c in candidates) or "nothing (data.tokenizer is empty)"
     raise FileNotFoundError(f"cannot find the run's tokenizer (tried {tried}); pass --tokenizer DIR "
@@ -249,7 +254,7 @@ class ExportResult:
 
 
 def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp32", max_shard_size: str | int = "5GB",
-                      tokenizer: str | Path | None = None) -> ExportResult:
+                      tokenizer: str | Path | None = None, force: bool = False) -> ExportResult:
     """Export a run (its newest complete checkpoint) or a checkpoint folder into `out_dir`.
 
     dtype "bf16" stores the matrices in bfloat16; 1-D tensors (norm weights, router biases) stay
@@ -263,6 +268,7 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
     out = Path(out_dir)
     if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
         raise ValueError(f"--out {out} lies inside the checkpoint {ckpt}; choose another folder")
+    check_export_dir(out, force)
     cfg = load_checkpoint_config(ckpt)
     tok_dir = find_tokenizer_dir(cfg, ckpt, tokenizer)
     log.info("exporting %s", ckpt)
@@ -277,17 +283,29 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
     card = model_card(cfg, ckpt, step=step, tokens_seen=tokens_seen, num_params=model.num_params(),
                       num_active=model.num_active_params(), dtype=dtype)
     result = save_export(model, tok_dir, out, dtype=dtype, max_shard_size=max_shard_size, source=source, card=card,
-                         model_config=cfg.model)  # the training backend is recorded; load_pretrained adapts it
+                         model_config=cfg.model, force=force)  # the training backend is recorded; load_pretrained adapts it
     result.checkpoint = ckpt
     return result
 
 
+def check_export_dir(out: Path, force: bool) -> None:
+    """Refuse to write into a folder that already holds files, unless `force` (then the export's own
+    files are replaced; other files stay)."""
+    if force or not out.exists():
+        return
+    if not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file; choose a folder")
+    if any(out.iterdir()):
+        raise ValueError(f"--out {out} already exists and is not empty; pass --force to overwrite it or choose another folder")
+
+
 def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype: str = "fp32",
                 max_shard_size: str | int = "5GB", source: dict | None = None, card: str | None = None,
-                model_config=None) -> ExportResult:
+                model_config=None, force: bool = False) -> ExportResult:
     """Write an in-memory OmniModel and its tokenizer folder as an export folder (what
     `export_checkpoint` does after reading a checkpoint; also handy after training in a notebook).
-    `model_config` (default: the model's) is what config.json records."""
+    `model_config` (default: the model's) is what config.json records. A non-empty `out_dir` is
+    refused unless `force`."""
     from omniloom.model.pretrained import CONFIG_NAME, FORMAT, FORMAT_VERSION
 
     from .cli import version
@@ -298,10 +316,13 @@ def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype:
     limit = parse_size(max_shard_size)
     if limit <= 0:
         raise ValueError("--max-shard-size must be positive")
+    from omniloom.tokenizers.text import Tokenizer
+
     tok_dir = Path(tokenizer_dir)
-    if not all((tok_dir / f).is_file() for f in TOKENIZER_FILES):
-        raise FileNotFoundError(f"{tok_dir} lacks {' / '.join(TOKENIZER_FILES)}; pass the folder made by `omniloom tokenizer train`")
-    tok_info = json.loads((tok_dir / "tokenizer.json").read_text())
+    out = Path(out_dir)
+    check_export_dir(out, force)
+    tok = Tokenizer.load(tok_dir)  # old folders too; a tokenizer.model not matching its sha256 is refused
+    tok_info = tok.to_json()
     mcfg = model_config or model.cfg
     if tok_info.get("vocab_size") not in (None, mcfg.vocab_size):
         raise ValueError(f"tokenizer {tok_dir} has vocab_size {tok_info.get('vocab_size')} but the model has "
@@ -314,12 +335,9 @@ def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype:
     meta = {"format": "pt", "omniloom_version": version(), "omniloom_format": FORMAT, "dtype": dtype,
             "model_config": json.dumps(model_dict, sort_keys=True)}
     meta.update({k: str(v) for k, v in source.items() if k in ("step", "tokens_seen")})
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = save_sharded(state, out, max_shard_size=limit, metadata=meta)
-    for name in TOKENIZER_FILES:
-        if (tok_dir / name).resolve() != (out / name).resolve():
-            shutil.copyfile(tok_dir / name, out / name)
+    tok.save(out)  # tokenizer.model byte for byte, omniloom_tokenizer.json and the Hugging Face files
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

@@ -16,19 +16,20 @@ log = logging.getLogger(__name__)
 def _export(args) -> int:
     from .export import export_checkpoint
 
-    res = export_checkpoint(args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
+    res = export_checkpoint(args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, tokenizer=args.tokenizer,
+                            force=args.force)
     print(f"exported {res.checkpoint} -> {res.out_dir}: {res.num_params / 1e6:.2f} M parameters, "
           f"{len(res.files)} safetensors file(s), {res.total_bytes / 1e6:.1f} MB")
     return 0
 
 
 def _set_threads(n: int | None) -> None:
-    if n is not None:
-        import torch
+    """--threads N, else OMP_NUM_THREADS, else the cores this process may use (pretrain/threads.py)."""
+    from .threads import configure_threads
 
-        if n < 1:
-            raise ValueError("--threads must be >= 1")
-        torch.set_num_threads(n)
+    if n is not None and n < 1:
+        raise ValueError("--threads must be >= 1")
+    configure_threads(n or 0, option="--threads")
 
 
 def _eval(args) -> int:
@@ -47,6 +48,11 @@ def _eval(args) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
+    c = result["counts"]
+    skipped = sum(c.get("skipped", {}).values())
+    print(f"scored {c['docs']} of {c['docs_available']} documents"
+          + (f" (--max-docs {args.max_docs})" if args.max_docs and c["docs_read"] < c["docs_available"] else "")
+          + (f"; {skipped} skipped: {c['skipped']}" if skipped else ""))
     loss = result["loss"]
     print("loss (nats/token): " + ", ".join(f"{k}={v:.4f}" for k, v in loss.items()))
     gap = result["cross_modal_gap"]
@@ -84,8 +90,9 @@ def register(sub) -> None:
         help="export a run or checkpoint to safetensors + config.json + tokenizer + model card",
         description="Consolidate a training checkpoint (plain, DDP, or FSDP2 sharded) into an export folder: "
         "model.safetensors (sharded with model.safetensors.index.json above --max-shard-size, metadata in each "
-        "header), config.json (model config, tokenizer layout, omniloom version), tokenizer.model/.json and a "
-        "README model card. Nothing is unpickled: .pt files load with weights_only. Load the result with "
+        "header), config.json (model config, tokenizer layout, omniloom version), the tokenizer (tokenizer.model, "
+        "omniloom_tokenizer.json, and tokenizer.json / tokenizer_config.json / special_tokens_map.json for Hugging Face's "
+        "AutoTokenizer) and a README model card. A non-empty --out is refused without --force. Nothing is unpickled: .pt files load with weights_only. Load the result with "
         "omniloom.model.load_pretrained(DIR).",
     )
     p.add_argument("src", metavar="RUN_OR_CHECKPOINT", help="a run folder (its newest complete checkpoint is used) or a checkpoints/step_N folder")
@@ -93,6 +100,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weight dtype (bf16 keeps 1-D norms/biases in fp32; default fp32)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 2GB, 500MiB (default 5GB)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder, when the run's data.tokenizer path has moved")
+    p.add_argument("--force", action="store_true", help="write into an --out folder that already holds files (the export's files are replaced)")
     p.set_defaults(func=_export)
 
     p = sub.add_parser(
@@ -105,13 +113,13 @@ def register(sub) -> None:
     )
     p.add_argument("model", metavar="DIR_OR_RUN", help="an export folder, a run folder or a checkpoint folder")
     p.add_argument("--data", required=True, help="held-out shards: a folder with manifest.json, a brace pattern or URL (comma-separate several)")
-    p.add_argument("--max-docs", type=int, default=200, help="documents to score, in manifest order (default 200)")
+    p.add_argument("--max-docs", type=int, default=None, help="score only the first N documents, in manifest order (default: all)")
     p.add_argument("--max-len", type=int, default=None, help="score longer documents in pieces of this many tokens (default: the run's seq_len, else 8192)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the export's, or the run's data.tokenizer)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: OMP_NUM_THREADS, else the cores available)")
     p.set_defaults(func=_eval)
 
     p = sub.add_parser(
@@ -132,7 +140,7 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="also write the generated text to this file")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (reference, slow)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice; decode steps are "
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: OMP_NUM_THREADS, else the cores available; decode steps are "
                    "small, so 1 is often fastest on a busy CPU)")
     p.set_defaults(func=_generate)
 
@@ -186,5 +194,5 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: OMP_NUM_THREADS, else the cores available)")
     p.set_defaults(func=_bench_generate)

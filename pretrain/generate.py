@@ -195,6 +195,23 @@ def _generate(model, prompt: Prompt, *, max_new_tokens, temperature, top_p, gen,
                       cache_bytes=dec.cache_bytes() if dec is not None else 0)
 
 
+def _build_prompt_naming_files(tok, prompt: str, media: dict, paths: dict):
+    """build_prompt, with a media error naming the file it came from (--image or --video)."""
+    from omniloom.tokenizers.image import image_to_patches
+    from omniloom.tokenizers.settings import MediaError
+
+    try:
+        return build_prompt(tok, prompt, image=media.get("image"), video=media.get("video"))
+    except MediaError as err:
+        culprit = "video"
+        if "image" in media:
+            try:
+                image_to_patches(media["image"], tok.settings)
+            except MediaError:
+                culprit = "image"
+        raise ValueError(f"--{culprit} {paths[culprit]}: {err}") from err
+
+
 def generate_from_export(model_dir: str | Path, prompt: str = "", *, image: str | Path | None = None,
                          video: str | Path | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                          top_p: float = 1.0, seed: int = 0, device: str | None = None, use_cache: bool = True) -> tuple[str, Generation]:
@@ -216,7 +233,7 @@ def generate_from_export(model_dir: str | Path, prompt: str = "", *, image: str 
     if model.cfg.vocab_size != tok.vocab_size:
         raise ValueError(f"{model_dir}: the model's vocabulary ({model.cfg.vocab_size}) differs from its tokenizer's "
                          f"({tok.vocab_size}); re-export the run")
-    p = build_prompt(tok, prompt, image=media.get("image"), video=media.get("video"))
+    p = _build_prompt_naming_files(tok, prompt, media, {"image": image, "video": video})
     result = generate(model, p, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                       use_cache=use_cache, progress=True)
     ids = result.ids[:-1] if result.stopped_by == "eos" else result.ids

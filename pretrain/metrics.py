@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,17 +121,25 @@ class StepTimer:
 
 class MetricsLogger:
     """Rank-0 sink for metric dicts: one JSON object per line in `run_dir/metrics.jsonl`, the
-    accelerate trackers (TensorBoard under `run_dir/tb` when enabled), and a tqdm bar.
+    accelerate trackers (TensorBoard under `run_dir/tb` when enabled), and progress: a tqdm bar
+    (loss, tokens/s) when `progress` and stderr is a terminal, otherwise one log line every
+    `progress_seconds` (step, loss, tokens/s, elapsed, time left) so that a run under a launcher,
+    a pipe or a log file is never silent for minutes. `progress_seconds=0` turns the lines off.
 
     Other ranks get a logger whose methods do nothing, so the loop needs no rank checks."""
 
     def __init__(self, accelerator, run_dir: str | Path, *, total_steps: int, start_step: int,
-                 tensorboard: bool, run_name: str, hparams: dict | None = None, progress: bool = True):
+                 tensorboard: bool, run_name: str, hparams: dict | None = None, progress: bool = True,
+                 progress_seconds: float = 30.0):
         self.acc = accelerator
         self.enabled = accelerator.is_main_process
         self.path = Path(run_dir) / "metrics.jsonl"
         self._bar = None
         self._trackers = False
+        self.total_steps, self.start_step = total_steps, start_step
+        self.progress_seconds = progress_seconds
+        self._t0 = self._last_line = time.perf_counter()
+        self._tokens0: int | None = None
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,11 +148,14 @@ class MetricsLogger:
         self._fh = open(self.path, "a", buffering=1)
         if tensorboard and accelerator.log_with:
             try:
-                accelerator.init_trackers(run_name, config=_flat_hparams(hparams or {}))
+                # No config= here: accelerate's store_init_configuration writes the hyperparameters
+                # into an extra run `<run_name>/<timestamp>` that holds nothing else.
+                accelerator.init_trackers(run_name)
                 self._trackers = True
+                _write_hparams(accelerator.get_tracker("tensorboard", unwrap=True), _flat_hparams(hparams or {}))
             except Exception as err:  # a tracker that cannot start must not kill the run
                 log.warning("TensorBoard tracker disabled: %s", err)
-        if progress:
+        if progress and _is_terminal(sys.stderr):
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
@@ -161,14 +173,39 @@ class MetricsLogger:
                        and math.isfinite(v)}
             self.acc.log(scalars, step=step)
 
-    def progress(self, step: int, postfix: dict | None = None) -> None:
-        if self._bar is None:
+    def progress(self, step: int, postfix: dict | None = None, *, tokens_seen: int | None = None) -> None:
+        """Advance the bar (or write the periodic line) to `step`; `tokens_seen` gives tokens/s."""
+        if not self.enabled:
             return
-        self._bar.n = step
-        if postfix:
-            self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()},
-                                  refresh=False)
-        self._bar.refresh()
+        now = time.perf_counter()
+        postfix = dict(postfix or {})
+        if tokens_seen is not None:
+            if self._tokens0 is None:  # the first step's tokens count from the logger's start
+                self._tokens0 = 0 if self.start_step == 0 else tokens_seen
+            rate = (tokens_seen - self._tokens0) / max(now - self._t0, 1e-9)
+            postfix["tok/s"] = f"{rate:,.0f}"
+        if self._bar is not None:
+            self._bar.n = step
+            if postfix:
+                self._bar.set_postfix({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in postfix.items()},
+                                      refresh=False)
+            self._bar.refresh()
+            return
+        last = step >= self.total_steps
+        if self.progress_seconds > 0 and (now - self._last_line >= self.progress_seconds or last):
+            self._last_line = now
+            log.info("%s", self.progress_line(step, postfix, now))
+
+    def progress_line(self, step: int, postfix: dict, now: float | None = None) -> str:
+        now = time.perf_counter() if now is None else now
+        elapsed = now - self._t0
+        done = step - self.start_step
+        parts = [f"step {step}/{self.total_steps} ({100.0 * step / max(self.total_steps, 1):.0f}%)"]
+        parts += [f"{k} {f'{v:.4g}' if isinstance(v, float) else v}" for k, v in postfix.items()]
+        parts.append(f"elapsed {_hms(elapsed)}")
+        if 0 < done and step < self.total_steps:
+            parts.append(f"left ~{_hms(elapsed / done * (self.total_steps - step))}")
+        return ", ".join(parts)
 
     def close(self) -> None:
         if not self.enabled:
@@ -178,6 +215,33 @@ class MetricsLogger:
         self._fh.close()
         if self._trackers:
             self.acc.end_training()
+
+
+def _write_hparams(writer, flat: dict) -> None:
+    """The run config as TensorBoard hyperparameters, in the main run's own event file (what
+    SummaryWriter.add_hparams does, minus the sub-run it creates)."""
+    if not flat or writer is None or not hasattr(writer, "file_writer"):
+        return
+    from torch.utils.tensorboard.summary import hparams
+
+    exp, ssi, sei = hparams(flat, {})
+    for summary in (exp, ssi, sei):
+        writer.file_writer.add_summary(summary)
+    writer.flush()
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

@@ -106,26 +106,120 @@ def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
     return True
 
 
-def _gap_plot(path: Path, ev: dict) -> bool:
+def _gap_figure(ev: dict):
+    """The cross-modal gap bar chart (a matplotlib Figure), or None without finite gaps."""
     gap = ev.get("cross_modal_gap") or {}
     gap = {k: v for k, v in gap.items() if isinstance(v, (int, float)) and math.isfinite(v)}
     if not gap:
-        return False
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(4.8, 3.2), dpi=100)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     bars = ax.bar(list(gap), list(gap.values()), color=["#4a7dd6", "#d6894a", "#6ab04c"][: len(gap)])
-    ax.bar_label(bars, fmt="%.2f")
+    ax.bar_label(bars, fmt="%.3g")
     ax.axhline(0, color="black", linewidth=0.8)
+    ax.margins(y=0.15)  # room for the bar labels
     ax.set_ylabel("nats / caption token")
-    ax.set_title("cross-modal gap: own visual vs another document's")
+    ax.set_title("cross-modal gap\n(caption loss: another document's visual minus its own)", fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def _gap_plot(path: Path, ev: dict) -> bool:
+    fig = _gap_figure(ev)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+def _sig(v, digits: int = 4) -> str:
+    """A number with `digits` significant digits (no 16-digit floats in the page)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return "n/a" if v is None else str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if not math.isfinite(v):
+        return str(v)
+    return f"{v:.{digits}g}"
+
+
+def _table(header: list[str], rows: list[list[str]], table_id: str = "") -> str:
+    ident = f" id='{table_id}'" if table_id else ""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table{ident}><tr>{head}</tr>{body}</table>"
+
+
+def _eval_html(ev: dict) -> str:
+    """Evaluation as tables: loss and perplexity per modality, the cross-modal gap per kind."""
+    parts = ["<h2>Evaluation</h2>"]
+    counts = ev.get("counts") or {}
+    if "docs" in counts:
+        line = f"{_sig(counts['docs'])} documents scored"
+        if "docs_available" in counts:
+            line += f" of {_sig(counts['docs_available'])} available"
+        skipped = sum((counts.get("skipped") or {}).values())
+        if skipped:
+            line += f", {skipped} skipped"
+        src = f" (model {ev['model']}, data {ev['data']})" if ev.get("model") and ev.get("data") else ""
+        parts.append(f"<p>{html.escape(line + src)}.</p>")
+    loss, ppl = ev.get("loss") or {}, ev.get("perplexity") or {}
+    order = [k for k in ("all", *MODALITIES) if k in loss] + sorted(k for k in loss if k not in ("all", *MODALITIES))
+    if order:
+        parts.append(_table(["modality", "loss (nats/token)", "perplexity"],
+                            [[k, _sig(loss[k]), _sig(ppl.get(k))] for k in order], "eval_loss"))
+    gap, detail = ev.get("cross_modal_gap") or {}, ev.get("cross_modal_gap_detail") or {}
+    if gap or detail:
+        rows = []
+        for kind in [*gap, *(k for k in detail if k not in gap)]:
+            d = detail.get(kind) or {}
+            rows.append([kind, _sig(gap.get(kind, d.get("gap"))), _sig(d.get("own_visual_loss")),
+                         _sig(d.get("donor_visual_loss")), _sig(d.get("docs")), _sig(d.get("text_tokens"))])
+        parts.append("<h3>Cross-modal gap</h3><p>Caption loss with another document's image or video minus with its "
+                     "own, in nats per caption token: positive means the model reads its visual tokens.</p>")
+        parts.append(_table(["kind", "gap", "loss with own visual", "loss with another's", "documents", "caption tokens"],
+                            rows, "cross_modal_gap"))
+    return "\n".join(parts)
+
+
+def _run_settings(run_dir: Path) -> list[tuple[str, str]]:
+    """Key settings of the run from its newest checkpoint's config.yaml (empty when none)."""
+    from .checkpoint import latest_checkpoint
+
+    ckpts = run_dir / "checkpoints"
+    ckpt = latest_checkpoint(ckpts) if ckpts.is_dir() else None
+    if ckpt is None or not (ckpt / "config.yaml").is_file():
+        return []
+    try:
+        from .config import load_config
+
+        cfg = load_config(str(ckpt / "config.yaml"))
+    except Exception:  # the report must not fail on an old or hand-edited config
+        return []
+    world = None
+    try:
+        world = json.loads((ckpt / "COMPLETE").read_text()).get("world_size")
+    except (OSError, ValueError):
+        pass
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    out = [
+        ("model", f"{m.num_layers} layers, width {m.dim}, {m.num_heads} heads ({m.num_kv_heads} kv), vocabulary {m.vocab_size}"),
+        ("attention", f"pattern {m.attention.pattern}, backend {m.attention.backend}, window {m.attention.window}"),
+        ("MoE", f"{m.moe.num_experts} experts, top-{m.moe.num_experts_per_token}, {m.moe.num_shared_experts} shared"),
+        ("data", ", ".join(f"{s.path} (weight {s.weight:g})" for s in d.sources) or "(none recorded)"),
+        ("batch", f"{d.batch_size} rows x {d.seq_len} tokens per rank" + (f", {world} process(es)" if world else "")
+         + (f", {t.grad_accum_steps} accumulation steps" if t.grad_accum_steps > 1 else "")),
+        ("optimizer", f"lr {o.lr:g} ({o.schedule}, warmup {o.warmup_steps}), weight decay {o.weight_decay:g}"),
+        ("steps", f"{t.num_steps} planned; checkpoint {ckpt.name}"),
+    ]
+    return out
 
 
 def write_report(run_dir: str | Path, *, eval_json: str | Path | None = None, out_dir: str | Path | None = None) -> Path:
@@ -175,17 +269,26 @@ def write_report(run_dir: str | Path, *, eval_json: str | Path | None = None, ou
     add("gap.png", "Cross-modal gap", _gap_plot(out / "gap.png", ev),
         "Caption loss with another document's visual minus with its own: positive means the model reads the pixels.")
 
-    last = rows[-1]
-    summary = {k: last[k] for k in ("step", "loss", "tokens_seen", "tokens_per_s", "lr") if k in last}
+    last_step = max((r["step"] for r in rows if isinstance(r.get("step"), int)), default=None)
+    summary: dict = {}
+    for r in rows:  # the newest value of each key over the last training rows (eval rows carry no loss)
+        for k in ("step", "loss", "tokens_seen", "tokens_per_s", "lr"):
+            if k in r:
+                summary[k] = r[k]
+    name = _run_name(run_dir)
+    settings = [("run folder", str(run_dir.resolve()))] + _run_settings(run_dir)
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>omniloom report: "
-        + html.escape(run_dir.name) + "</title><style>body{font-family:sans-serif;max-width:980px;margin:2em auto;}"
-        "img{max-width:100%;border:1px solid #ddd} table{border-collapse:collapse} td,th{padding:2px 8px;border:1px solid #ccc}</style></head><body>",
-        f"<h1>omniloom run report: {html.escape(run_dir.name)}</h1>",
-        "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in summary.items()) + "</table>",
+        + html.escape(name) + "</title><style>body{font-family:sans-serif;max-width:980px;margin:2em auto;}"
+        "img{max-width:100%;border:1px solid #ddd} table{border-collapse:collapse;margin:0.5em 0} "
+        "td,th{padding:2px 8px;border:1px solid #ccc;text-align:left}</style></head><body>",
+        f"<h1>omniloom run report: {html.escape(name)}</h1>",
+        "<table id='settings'>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in settings) + "</table>",
+        f"<h2>Last logged (step {html.escape(str(last_step))})</h2>",
+        "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_sig(v))}</td></tr>" for k, v in summary.items()) + "</table>",
     ]
     if ev:
-        parts.append("<h2>Evaluation</h2><pre>" + html.escape(json.dumps({k: ev[k] for k in ev if k in ("loss", "perplexity", "cross_modal_gap")}, indent=2, sort_keys=True)) + "</pre>")
+        parts.append(_eval_html(ev))
     for title, name, caption in sections:
         parts.append(f"<h2>{html.escape(title)}</h2><img src='{name}' alt='{html.escape(title)}'>")
         if caption:
@@ -196,8 +299,12 @@ def write_report(run_dir: str | Path, *, eval_json: str | Path | None = None, ou
     return index
 
 
-def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+def _run_name(run_dir: Path) -> str:
+    """The run folder's name; a generic one ("run", as the demo's demo_out/run) with its parent."""
+    resolved = run_dir.resolve()
+    if resolved.name in ("run", "runs", "default", "") and resolved.parent.name:
+        return f"{resolved.parent.name}/{resolved.name}"
+    return resolved.name
 
 
 def register(sub) -> None:

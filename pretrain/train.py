@@ -33,6 +33,7 @@ from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetec
 from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
 from .optim import build_optimizer, build_scheduler
 from .parallel import apply_parallelism, seed_everything, set_deterministic
+from .threads import configure_threads
 
 log = logging.getLogger("omniloom.train")
 
@@ -92,6 +93,8 @@ class Trainer:
                              "data.sources='[{path: shards/train}]' data.tokenizer=tok")
         # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / "checkpoints")
+        configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
+                          quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0)
         self.acc = make_accelerator(cfg)
         set_deterministic(cfg.train.deterministic)
         self._build_loader = build_loader or B.build_loader
@@ -144,7 +147,8 @@ class Trainer:
         cfg, acc = self.cfg, self.acc
         logger = MetricsLogger(acc, self.run_dir, total_steps=cfg.train.num_steps, start_step=self.step,
                                tensorboard=cfg.logging.tensorboard, run_name=self.run_dir.name,
-                               hparams=to_dict(cfg), progress=self.progress)
+                               hparams=to_dict(cfg), progress=self.progress,
+                               progress_seconds=cfg.logging.progress_seconds)
         self.shutdown.install()
         losses: list[float] = []
         window = _Window()
@@ -171,7 +175,7 @@ class Trainer:
                     record.update(self._window_metrics(window))
                     window = _Window()
                 logger.log(record, self.step)
-                logger.progress(self.step, {"loss": stats["loss"], "lr": record["lr"]})
+                logger.progress(self.step, {"loss": stats["loss"], "lr": record["lr"]}, tokens_seen=self.tokens_seen)
 
                 stop = stats["stop"] > 0  # a signal reached some rank during this step
                 if stop or self._due(cfg.checkpoint.every) or self.step == cfg.train.num_steps:

@@ -18,7 +18,8 @@ def register(sub) -> None:
         description="Train from shards with the run config PRESET (a shipped preset name: tiny, small_100m, "
         "large_1b, or a YAML path) plus dotted overrides. Writes RUN_DIR/metrics.jsonl, RUN_DIR/tb "
         "(TensorBoard) and RUN_DIR/checkpoints/step_N. SIGTERM/SIGINT finish the step, save a checkpoint "
-        "and exit 0; rerun with --resume auto to continue exactly. For several processes or GPUs use "
+        "and exit 0; rerun with --resume auto to continue exactly (guarantees and what must match: docs/resume.md in the "
+        "repository). For several processes or GPUs use "
         "`omniloom launch --config_file configs/accelerate/cpu_2proc.yaml -m omniloom.pretrain.train "
         "--config tiny ...` with the same arguments (`omniloom launch` is `accelerate launch` with clean exit codes).",
         epilog="Options go before PRESET and the overrides. Example: omniloom train --run-dir runs/t1 tiny "

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# `python -m pytest` from the repository root puts the working directory first on sys.path, where
+# the repo's tokenizers/ and kernels/ folders would shadow Hugging Face's `tokenizers` (which
+# transformers imports) and PyPI's `kernels`. omniloom itself is imported as `omniloom.*` through
+# its install, never from the root, so the root comes off the path.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 
 def pytest_addoption(parser):

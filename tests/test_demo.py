@@ -33,6 +33,9 @@ def test_every_stage_parses_with_the_real_cli(tmp_path):
             assert cfg.checkpoint.resume == "auto"  # an interrupted demo continues its training
             assert [s.weight for s in cfg.data.sources] == [250.0, 1.0]
             assert stage.done_when.name == "step_00000007"
+    export = next(st for st in stages if st.name == "export")
+    assert "--force" in export.argv  # an export cut off before config.json is redone, not refused
+    assert "--force" in next(st for st in stages if st.name == "tokenizer train").argv
 
 
 @pytest.mark.slow
@@ -48,3 +51,17 @@ def test_full_demo_learns_to_read_pixels(tmp_path):
     evals = [r for r in rows if "eval/loss/text" in r]
     assert evals[0]["step"] == 0 and evals[-1]["eval/loss/text"] < evals[0]["eval/loss/text"]
     assert Path(out / "run" / "report" / "index.html").is_file() and (out / "export" / "config.json").is_file()
+
+
+def test_summary_prints_eval_figures_with_four_significant_digits(tmp_path, capsys):
+    import json
+
+    from omniloom.pretrain.demo import _summary
+
+    (tmp_path / "eval.json").write_text(json.dumps({"loss": {"all": 0.3295930972540403, "text": 0.31777957950924174},
+                                                    "cross_modal_gap": {"image": 1.6265296126681033, "video": None},
+                                                    "counts": {"docs": 298}}))
+    _summary(tmp_path, {"eval": 9.8})
+    out = capsys.readouterr().out
+    assert "held-out loss (omniloom eval, 298 documents, nats/token): all 0.3296, text 0.3178" in out
+    assert "image +1.627, video n/a" in out and "0.3295930972540403" not in out

@@ -201,3 +201,22 @@ def test_long_documents_are_scored_in_pieces(setup):
     # every document still counts (a block longer than a piece is skipped and counted)
     assert short["counts"]["docs"] + sum(short["counts"]["skipped"].values()) == n
     assert short["counts"]["tokens"]["all"] <= full["counts"]["tokens"]["all"]
+
+
+def test_eval_scores_every_document_by_default_and_says_how_many(setup, tmp_path, capsys):
+    """Issue 15.5: no silent 200-document cap; the count scored out of the count available is printed."""
+    import inspect
+
+    from omniloom.pretrain.cli import build_parser
+    from omniloom.pretrain.export import save_export
+
+    assert build_parser().parse_args(["eval", "x", "--data", "y"]).max_docs is None
+    assert inspect.signature(evaluate).parameters["max_docs"].default is None
+    root, tok, n = setup
+    save_export(tiny_model(tok), root / "tok", tmp_path / "export")
+    out = tmp_path / "eval.json"
+    assert main(["-qq", "eval", str(tmp_path / "export"), "--data", str(root / "shards"), "--no-progress",
+                 "--max-docs", "3", "--out", str(out)]) == 0
+    assert f"scored 3 of {n} documents (--max-docs 3)" in capsys.readouterr().out
+    counts = json.loads(out.read_text())["counts"]
+    assert (counts["docs"], counts["docs_read"], counts["docs_available"]) == (3, 3, n)

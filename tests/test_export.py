@@ -102,7 +102,8 @@ def test_export_then_load_gives_bit_identical_logits(tmp_path, tok_dir):
     out = tmp_path / "export"
     assert main(["-qq", "export", str(run), "--out", str(out)]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer.model"]
+    assert names == ["README.md", "config.json", "model.safetensors", "omniloom_tokenizer.json", "special_tokens_map.json",
+                     "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
     loaded = load_pretrained(out)
     assert torch.equal(logits_of(loaded, loaded.cfg), logits_of(model, model.cfg))
     cfg = json.loads((out / "config.json").read_text())
@@ -356,3 +357,19 @@ def test_a_sharded_export_with_an_outside_shard_link_is_refused(tmp_path, tok_di
     shard.symlink_to(outside)
     with pytest.raises(ValueError, match="outside the export folder"):
         load_pretrained(tmp_path / "export")
+
+
+def test_export_into_a_non_empty_folder_needs_force(tmp_path, tok_dir, capsys):
+    """Issue 15.10: an existing export (or any non-empty folder) is not silently overwritten."""
+    run, _ = make_run(tmp_path / "run", tok_dir)
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["-qq", "export", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already exists and is not empty; pass --force" in err and err.count("\n") == 1
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert main(["-qq", "export", str(run), "--out", str(out), "--force"]) == 0
+    assert (out / "config.json").is_file() and (out / "notes.txt").read_text() == "mine"
+    assert main(["-qq", "export", str(run), "--out", str(out)]) == 2  # a finished export too
+    capsys.readouterr()

@@ -147,3 +147,22 @@ def test_cache_parity_on_cuda_with_triton_kernels(tok, image_prompt, backend):
     cached = generate(model, image_prompt, max_new_tokens=12, use_cache=True, eos_id=-1)
     full = generate(model, image_prompt, max_new_tokens=12, use_cache=False, eos_id=-1)
     assert cached.ids == full.ids
+
+
+def test_a_bad_media_file_is_named_in_one_line(tok, tmp_path, capsys):
+    """Issue 15.9: not 'cannot identify image file <_io.BytesIO object at 0x...>'."""
+    from omniloom.pretrain.cli import main
+    from omniloom.pretrain.export import save_export
+    from omniloom.tokenizers.testing import make_image_bytes
+
+    tok.save(tmp_path / "tok")
+    save_export(tiny_model(tok), tmp_path / "tok", tmp_path / "export")
+    bad, good = tmp_path / "bad.png", tmp_path / "good.png"
+    bad.write_bytes(b"not an image at all")
+    good.write_bytes(make_image_bytes(32, 24))
+    assert main(["-qq", "generate", str(tmp_path / "export"), "--image", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--image {bad}: undecodable: not a readable image" in err and "BytesIO" not in err
+    assert main(["-qq", "generate", str(tmp_path / "export"), "--image", str(good), "--video", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--video {bad}: undecodable" in err

@@ -61,3 +61,39 @@ def test_report_errors_are_actionable(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no metrics"):
         write_report(tmp_path)
+
+
+def test_report_top_names_the_run_and_its_settings_and_eval_is_a_table(tmp_path):
+    """Issue 15.7: no raw JSON dump with 16-digit floats; the run's folder and key settings on top;
+    the gap chart's title fits the figure."""
+    from omniloom.pretrain.config import load_config, to_yaml
+    from omniloom.pretrain.report import _gap_figure
+
+    run, _ = _fake_run(tmp_path)
+    ckpt = run / "checkpoints" / "step_00000100"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.yaml").write_text(to_yaml(load_config("tiny", ["data.sources=[{path: shards/train, weight: 3}]",
+                                                                  "model.vocab_size=2048"])))
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": 100, "files": ["config.yaml"], "world_size": 2}))
+    ev = tmp_path / "eval.json"
+    ev.write_text(json.dumps({
+        "loss": {"all": 1.2345678901234567, "text": 0.3187654321987654, "special": 2.0},
+        "perplexity": {"all": 3.4367890123456789, "text": 1.3753456789012345, "special": 7.38905609893065},
+        "cross_modal_gap": {"image": 1.5612345678901234, "video": None},
+        "cross_modal_gap_detail": {"image": {"own_visual_loss": 0.41234567, "donor_visual_loss": 1.97358024,
+                                             "gap": 1.5612345678901234, "text_tokens": 1234, "docs": 200}},
+        "counts": {"docs": 298, "docs_available": 298, "skipped": {}}}))
+    page = write_report(run, eval_json=ev).read_text()
+    assert "<h1>omniloom run report: " + run.parent.name + "/run</h1>" in page  # not just "run"
+    assert str(run.resolve()) in page
+    for setting in ("4 layers, width 128", "pattern LLLG", "8 experts, top-2", "shards/train (weight 3)",
+                    "4 rows x 512 tokens per rank, 2 process(es)", "lr 0.001"):
+        assert setting in page, setting
+    assert "<pre>" not in page and "1.2345678901234567" not in page and "0.3187654321987654" not in page
+    assert "<td>text</td><td>0.3188</td><td>1.375</td>" in page
+    assert "<td>image</td><td>1.561</td><td>0.4123</td><td>1.974</td><td>200</td><td>1,234</td>" in page
+    assert "<td>video</td><td>n/a</td>" in page and "298 documents scored of 298 available" in page
+    fig = _gap_figure(json.loads(ev.read_text()))
+    fig.canvas.draw()
+    box, title = fig.bbox, fig.axes[0].title.get_window_extent()
+    assert box.x0 <= title.x0 and title.x1 <= box.x1 and title.y1 <= box.y1, (title, box)

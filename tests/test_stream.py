@@ -281,3 +281,51 @@ def test_http_shards_with_manifest_beside_them(corpus):
         assert SampleReader(remote.shards).read_document(1, 5) == SampleReader(local.shards).read_document(1, 5)
     finally:
         server.shutdown()
+
+
+def test_a_missing_source_folder_is_one_line_naming_it(tmp_path, capsys):
+    """Issue 15.8: no 'indexing 1 shard(s) by a full read' warning, then a raw [Errno 2]."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the "no manifest found" warning must not come first
+        with pytest.raises(FileNotFoundError, match=r"source '.*nowhere/shards': no such folder or shard file; point data.sources"):
+            resolve_source(SourceConfig(path=str(tmp_path / "nowhere" / "shards")))
+        with pytest.raises(FileNotFoundError, match=r"2 of 2 shards do not exist, e.g. '.*x-000\.tar'"):
+            resolve_source(SourceConfig(path=str(tmp_path / "x-{000..001}.tar")))
+    from omniloom.pretrain.cli import main
+    from omniloom.tokenizers.testing import make_tiny_tokenizer
+
+    make_tiny_tokenizer(tmp_path / "tok")
+    assert main(["-qq", "train", "--run-dir", str(tmp_path / "run"), "tiny", f"data.sources=[{{path: {tmp_path / 'gone'}}}]",
+                 f"data.tokenizer={tmp_path / 'tok'}", "train.num_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gone': no such folder" in err and "Errno" not in err
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def test_visual_budget_is_one_plain_log_line_per_process(tmp_path, caplog):
+    """Issue 15.2: not a UserWarning with a source line on every run (and every evaluation)."""
+    import logging
+
+    from omniloom.data import stream as S
+    from omniloom.tokenizers.testing import make_tiny_tokenizer
+
+    make_tiny_tokenizer(tmp_path / "tok", video_patch_budget=8, video_frame_budget=16, temporal_patch_size=2)  # 64 + 2
+    shards = tmp_path / "shards"
+    write_shards(str(shards), synthetic_documents(6, seed=0), docs_per_shard=6)
+    cfg = DataConfig(sources=[SourceConfig(path=str(shards))], tokenizer=str(tmp_path / "tok"), seq_len=48,
+                     batch_size=1, num_workers=0)
+    S._BUDGET_LOGGED.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level(logging.INFO, logger="omniloom.data.stream"):
+            for _ in range(3):
+                build_loader(cfg, rank=0)
+            build_loader(cfg, rank=1, world_size=2)
+    lines = [r for r in caplog.records if "data.seq_len=48" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    msg = lines[0].getMessage()
+    assert "largest video block (66 tokens)" in msg and "set data.seq_len=66 or more" in msg and "--video-frame-budget" in msg

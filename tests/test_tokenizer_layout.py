@@ -146,7 +146,7 @@ def test_cli_train_encode_decode_show(tmp_path, capsys):
     out = tmp_path / "tok"
     assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(out), "--patch-size", "8", "--image-patch-budget", "16"]) == 0
     assert "vocab 360" in capsys.readouterr().out
-    meta = json.loads((out / "tokenizer.json").read_text())
+    meta = json.loads((out / "omniloom_tokenizer.json").read_text())
     assert meta["patch_dim"] == 192 and meta["media"]["image_patch_budget"] == 16
     # refuses to overwrite without --force: a user error, exit 2
     assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(out)]) == 2

@@ -99,7 +99,7 @@ def test_code_settings(tok):
 
 def test_tokenizer_json_and_load(tok, tmp_path):
     tok.save(tmp_path)
-    meta = json.loads((tmp_path / "tokenizer.json").read_text())
+    meta = json.loads((tmp_path / "omniloom_tokenizer.json").read_text())
     assert meta["format"] == "omniloom-tokenizer" and meta["vocab_size"] == tok.vocab_size
     s = tok.settings
     assert meta["patch_dim"] == 3 * s.patch_size**2 and meta["tubelet_dim"] == 3 * s.temporal_patch_size * s.patch_size**2
@@ -107,7 +107,7 @@ def test_tokenizer_json_and_load(tok, tmp_path):
         assert key in meta["media"]
     again = Tokenizer.load(tmp_path)
     assert again.settings == tok.settings and again.encode(SAMPLE_CODE) == tok.encode(SAMPLE_CODE)
-    assert Tokenizer.load(tmp_path / "tokenizer.json").vocab_size == tok.vocab_size
+    assert Tokenizer.load(tmp_path / "omniloom_tokenizer.json").vocab_size == tok.vocab_size
     clone = pickle.loads(pickle.dumps(tok))
     assert clone.encode("pickled ok") == tok.encode("pickled ok") and clone.settings == tok.settings
 
@@ -116,14 +116,14 @@ def test_load_errors(tok, tmp_path):
     with pytest.raises(FileNotFoundError, match="omniloom tokenizer train"):
         Tokenizer.load(tmp_path / "nothing")
     tok.save(tmp_path)
-    meta = json.loads((tmp_path / "tokenizer.json").read_text())
+    meta = json.loads((tmp_path / "omniloom_tokenizer.json").read_text())
     meta["vocab_size"] += 1
-    (tmp_path / "tokenizer.json").write_text(json.dumps(meta))
+    (tmp_path / "omniloom_tokenizer.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="do not belong together"):
         Tokenizer.load(tmp_path)
     meta["vocab_size"] -= 1
     meta["media"]["patch_sise"] = 8
-    (tmp_path / "tokenizer.json").write_text(json.dumps(meta))
+    (tmp_path / "omniloom_tokenizer.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="did you mean 'patch_size'"):
         Tokenizer.load(tmp_path)
 

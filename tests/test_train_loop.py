@@ -464,3 +464,24 @@ def test_compile_trains_and_checkpoints_with_plain_keys(tmp_path):
 
     saved = load_file(str(ckpt_mod.latest_checkpoint(tmp_path / "checkpoints") / "accelerate" / "model.safetensors"))
     assert set(saved) == set(standin.StandinModel().state_dict())
+
+
+def test_tensorboard_has_one_run_holding_metrics_and_hyperparameters(tmp_path):
+    """Issue 15.12: no extra `run/<timestamp>` run with only Accelerate's hyperparameters."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = _trainer(tmp_path, "logging.tensorboard=true", "train.num_steps=2", "logging.every=1")
+    t.fit()
+    tb = tmp_path / "tb"
+    runs = sorted({p.parent for p in tb.rglob("events.out.tfevents*")})
+    assert len(runs) == 1, runs
+    assert not [p for p in runs[0].iterdir() if p.is_dir()], "a sub-run beside the main one"
+    acc = EventAccumulator(str(runs[0]))
+    acc.Reload()
+    assert "loss" in acc.Tags()["scalars"]
+    plugins = acc.PluginTagToContent("hparams")
+    assert "_hparams_/experiment" in plugins and "_hparams_/session_start_info" in plugins
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    info = plugin_data_pb2.HParamsPluginData.FromString(plugins["_hparams_/session_start_info"]).session_start_info
+    assert info.hparams["train.num_steps"].number_value == 2

@@ -29,23 +29,25 @@ def register(subparsers) -> None:
         "tokenizer",
         help="train and use the text/code/image/video tokenizer",
         description="Train the SentencePiece BPE tokenizer on the text and code of a shard set, "
-        "encode/decode text with it, and inspect how documents tokenize (DESIGN 2.2).",
+        "encode/decode text with it, and inspect how documents tokenize. The token layout and the tokenizer folder's files are "
+        "described in docs/data-format.md of the omniloom repository.",
     )
     sub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
     t = sub.add_parser(
         "train",
-        help="train tokenizer.model + tokenizer.json from shards",
+        help="train tokenizer.model + omniloom_tokenizer.json (+ Hugging Face files) from shards",
         description="Stream the text and code segments of SHARDS into SentencePiece BPE training "
         "(byte fallback, split digits, identity normalization, whitespace kept for code) and write "
-        "OUT/tokenizer.model and OUT/tokenizer.json with the fixed special ids and the image/video "
-        "settings. A corpus of more than --max-sentences chunks (<= 4 KB each) is sampled "
+        "OUT/tokenizer.model and OUT/omniloom_tokenizer.json with the fixed special ids and the image/video "
+        "settings, plus tokenizer.json, tokenizer_config.json and special_tokens_map.json so that Hugging Face's "
+        "AutoTokenizer.from_pretrained(OUT) gives the same ids. A corpus of more than --max-sentences chunks (<= 4 KB each) is sampled "
         "deterministically by --seed.",
     )
     t.add_argument("--data", nargs="+", required=True, metavar="SHARDS", help="shard directories (with manifest.json) or .tar files")
     t.add_argument("--vocab-size", type=int, required=True, help="total ids, specials and 256 byte pieces included (at least 352)")
-    t.add_argument("--out", required=True, help="output folder for tokenizer.model + tokenizer.json")
+    t.add_argument("--out", required=True, help="output folder for tokenizer.model + omniloom_tokenizer.json and the Hugging Face files")
     t.add_argument("--max-sentences", type=int, default=300_000, help="most text chunks given to the trainer (default 300000)")
     t.add_argument("--seed", type=int, default=0, help="seed of the corpus sample (default 0)")
     t.add_argument("--character-coverage", type=float, default=0.99995, help="share of characters that get their own piece; the rest use byte fallback")
@@ -55,7 +57,8 @@ def register(subparsers) -> None:
         t.add_argument(flag, type=typ, default=None, help=help_, choices=("clip", "spread") if field == "video_sampling" else None)
     t.set_defaults(func=_train)
 
-    e = sub.add_parser("encode", help="print the ids (or pieces) of a text", description="Encode TEXT (or --file) and print the ids, one line.")
+    e = sub.add_parser("encode", help="print the ids (or pieces) of a text", description="Encode TEXT (or --file, or stdin) and print the ids, one line. TEXT is taken literally: a "
+                       "typed \\n is a backslash and an n; for newlines and tabs use bash's $'...' quoting, --file or stdin.")
     e.add_argument("--tokenizer", required=True, help="tokenizer folder")
     e.add_argument("text", nargs="?", help="text to encode (default: --file or stdin)")
     e.add_argument("--file", help="read the text from this file")
@@ -104,10 +107,10 @@ def _settings_from_args(args):
 
 
 def _train(args) -> int:
-    from omniloom.tokenizers.text import JSON_FILE, MODEL_FILE, train_tokenizer
+    from omniloom.tokenizers.text import META_FILE, MODEL_FILE, has_tokenizer, train_tokenizer
 
     out = Path(args.out)
-    if not args.force and ((out / MODEL_FILE).exists() or (out / JSON_FILE).exists()):
+    if not args.force and has_tokenizer(out):
         raise ValueError(f"{out} already holds a tokenizer; pass --force to overwrite it or choose another --out")
     settings = _settings_from_args(args)
     tok = train_tokenizer(
@@ -123,7 +126,7 @@ def _train(args) -> int:
     )
     corpus = tok.info["training"]["corpus"]
     print(
-        f"wrote {out}/{MODEL_FILE} and {JSON_FILE}: vocab {tok.vocab_size}, "
+        f"wrote {out}/{MODEL_FILE} and {META_FILE} (+ Hugging Face tokenizer.json, tokenizer_config.json, special_tokens_map.json): vocab {tok.vocab_size}, "
         f"{corpus.get('documents', 0)} documents, {corpus.get('chunks_sampled', 0)}/{corpus.get('chunks_seen', 0)} chunks used, "
         f"patch_dim {tok.patch_dim}, tubelet_dim {tok.tubelet_dim}"
     )

@@ -130,7 +130,8 @@ def decode_image(data: bytes, settings: MediaSettings, budget: int | None = None
     except Image.DecompressionBombError as err:
         raise MediaError("too_large", f"image over PIL's decompression-bomb limit: {err}") from err
     except UnidentifiedImageError as err:
-        raise MediaError("undecodable", f"not a readable image: {err}") from err
+        # PIL's message names only its in-memory buffer (<_io.BytesIO object at 0x...>); callers name the file
+        raise MediaError("undecodable", "not a readable image (PIL cannot identify the format)") from err
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error) as err:
         raise MediaError("undecodable", f"image decode failed: {type(err).__name__}: {err}") from err
     assert arr.shape == (gh * p, gw * p, 3) and arr.dtype == np.uint8, arr.shape

@@ -63,7 +63,7 @@ CONTROL_TOKENS = SPECIAL_TOKENS + RESERVED_TOKENS
 FIRST_BYTE_ID = len(META_TOKENS) + NUM_SPECIAL_SLOTS  # 32
 FIRST_LEARNED_ID = FIRST_BYTE_ID + 256  # 288
 
-# name -> fixed id, the `special_ids` of tokenizer.json (names are the tags without <| |>).
+# name -> fixed id, the `special_ids` of omniloom_tokenizer.json (names are the tags without <| |>).
 SPECIAL_IDS: dict[str, int] = {"unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID, "pad": PAD_ID}
 SPECIAL_IDS.update({tok[2:-2]: len(META_TOKENS) + i for i, tok in enumerate(SPECIAL_TOKENS)})
 IMAGE_ID, IMAGE_END_ID = SPECIAL_IDS["image"], SPECIAL_IDS["/image"]

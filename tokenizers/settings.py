@@ -1,4 +1,4 @@
-"""Image/video tokenizer settings (kept in tokenizer.json) and the errors the data loader counts.
+"""Image/video tokenizer settings (kept in omniloom_tokenizer.json) and the errors the data loader counts.
 
 The model's patch_dim (3*p*p) and tubelet_dim (3*tp*p*p) follow from these settings, so they
 travel with the tokenizer rather than with the model config.
@@ -104,7 +104,7 @@ class MediaSettings:
 
     @classmethod
     def from_dict(cls, d: dict) -> MediaSettings:
-        """Build from a dict (tokenizer.json's "media"); an unknown key is an error naming the closest."""
+        """Build from a dict (omniloom_tokenizer.json's "media"); an unknown key is an error naming the closest."""
         names = [f.name for f in fields(cls)]
         for key in d:
             if key not in names:

@@ -1,5 +1,11 @@
 """The omniloom tokenizer: SentencePiece BPE for text and code plus the layout's special ids and the
-image/video settings, saved as `tokenizer.model` + `tokenizer.json` (DESIGN 2.2).
+image/video settings (docs/data-format.md), saved as `tokenizer.model` + `omniloom_tokenizer.json`,
+with the Hugging Face view of the same ids beside them (`tokenizer.json`, `tokenizer_config.json`,
+`special_tokens_map.json`; tokenizers/hf.py).
+
+Folders written before the rename hold omniloom's metadata as `tokenizer.json` (format
+"omniloom-tokenizer"); they still load. `model_sha256` in the metadata is checked on every load:
+a tokenizer.model that was replaced or corrupted is refused with the file named.
 
 Encoding then decoding any UTF-8 string gives it back exactly (identity normalization, byte
 fallback, no dummy prefix, no whitespace collapsing). The one character SentencePiece cannot carry
@@ -28,7 +34,9 @@ log = logging.getLogger(__name__)
 
 FORMAT = "omniloom-tokenizer"
 VERSION = 1
-MODEL_FILE, JSON_FILE = "tokenizer.model", "tokenizer.json"
+MODEL_FILE, META_FILE = "tokenizer.model", "omniloom_tokenizer.json"
+LEGACY_META_FILE = "tokenizer.json"  # omniloom's metadata before it moved aside for Hugging Face's file
+JSON_FILE = META_FILE  # the old constant's name
 WS_MARK = "\u2581"
 _WS_MARK_BYTE_IDS = [layout.FIRST_BYTE_ID + b for b in WS_MARK.encode("utf-8")]
 
@@ -51,7 +59,7 @@ SP_TRAINER_DEFAULTS = dict(
 class Tokenizer:
     """Text/code ids, special ids and media settings of one trained tokenizer.
 
-    `Tokenizer.load(dir)` reads tokenizer.model + tokenizer.json. Picklable (DataLoader workers get
+    `Tokenizer.load(dir)` reads tokenizer.model + omniloom_tokenizer.json. Picklable (DataLoader workers get
     a copy of the serialized model, not a file path).
     """
 
@@ -137,7 +145,7 @@ class Tokenizer:
 
     # -- files ---------------------------------------------------------------------------------
     def to_json(self) -> dict:
-        """The tokenizer.json object: vocab layout, special ids, media settings, training record."""
+        """The omniloom_tokenizer.json object: vocab layout, special ids, media settings, training record."""
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -157,30 +165,47 @@ class Tokenizer:
         }
 
     def save(self, out_dir: str | os.PathLike) -> Path:
-        """Write tokenizer.model and tokenizer.json into out_dir (created if needed)."""
+        """Write tokenizer.model, omniloom_tokenizer.json and the Hugging Face files into out_dir."""
+        from omniloom.tokenizers.hf import hf_files
+
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / MODEL_FILE).write_bytes(self._proto)
-        (out / JSON_FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        (out / META_FILE).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        for name, obj in hf_files(self.sp).items():
+            (out / name).write_text(json.dumps(obj, indent=None if name == "tokenizer.json" else 2, ensure_ascii=False) + "\n",
+                                    encoding="utf-8")
         return out
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
-        """Read a tokenizer folder (or the path of its tokenizer.json)."""
-        p = Path(path)
-        folder = p.parent if p.name == JSON_FILE else p
-        jpath, mpath = folder / JSON_FILE, folder / MODEL_FILE
-        if not jpath.is_file() or not mpath.is_file():
-            raise FileNotFoundError(f"{folder} holds no {MODEL_FILE} + {JSON_FILE}; make one with `omniloom tokenizer train`")
+        """Read a tokenizer folder (or the path of its omniloom_tokenizer.json). Refuses, naming the
+        file, metadata of another format, a tokenizer.model whose sha256 differs from the recorded
+        one, and a tokenizer.model SentencePiece cannot read."""
+        jpath = find_meta_file(path)
+        mpath = jpath.parent / MODEL_FILE
+        meta = read_meta(jpath)
+        if not mpath.is_file():
+            raise FileNotFoundError(f"{jpath.parent} holds {jpath.name} but no {MODEL_FILE}; copy it from the tokenizer folder or retrain with `omniloom tokenizer train`")
+        proto = mpath.read_bytes()
+        want = meta.get("model_sha256")
+        if want is not None:
+            got = hashlib.sha256(proto).hexdigest()
+            if got != want:
+                raise ValueError(f"{mpath} does not belong to {jpath.name}: its sha256 is {got[:12]}..., the tokenizer recorded "
+                                 f"{str(want)[:12]}... (the file was replaced or corrupted); restore the original {MODEL_FILE} "
+                                 "or retrain with `omniloom tokenizer train`")
         try:
-            meta = json.loads(jpath.read_text())
+            settings = MediaSettings.from_dict(meta.get("media", {}))
         except ValueError as err:
-            raise ValueError(f"{jpath} is not valid JSON: {err}") from err
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{jpath} is not an omniloom tokenizer (format {meta.get('format')!r}, want {FORMAT!r})")
-        if meta.get("version", 0) > VERSION:
-            raise ValueError(f"{jpath} has version {meta.get('version')}, newer than this omniloom reads ({VERSION}); upgrade omniloom")
-        tok = cls(mpath.read_bytes(), MediaSettings.from_dict(meta.get("media", {})), {"training": meta.get("training", {})})
+            raise ValueError(f"{jpath}: {err}") from err
+        try:
+            tok = cls(proto, settings, {"training": meta.get("training", {})})
+        except ValueError as err:
+            raise ValueError(f"{mpath}: {err}") from err
+        except Exception as err:  # sentencepiece raises RuntimeError (or a protobuf error) on a corrupt model
+            raise ValueError(f"{mpath} is not a valid SentencePiece model ({type(err).__name__}: {str(err).strip()[:200]}); "
+                             "restore it or retrain with `omniloom tokenizer train`") from err
         if meta.get("vocab_size") not in (None, tok.vocab_size):
             raise ValueError(f"{jpath} says vocab_size {meta['vocab_size']} but {mpath} has {tok.vocab_size}; the two files do not belong together")
         if meta.get("special_ids") not in (None, tok.special_ids):
@@ -204,6 +229,60 @@ class Tokenizer:
 TextTokenizer = Tokenizer  # the name the brief uses; one class serves text, code and media settings
 
 
+def find_meta_file(path: str | os.PathLike) -> Path:
+    """omniloom's metadata file of a tokenizer folder (or the file itself): omniloom_tokenizer.json,
+    else a legacy tokenizer.json written by omniloom (format "omniloom-tokenizer"). A tokenizer.json
+    that is Hugging Face's is never taken for omniloom's."""
+    p = Path(path)
+    if p.suffix == ".json" and p.is_file():
+        if p.name == META_FILE or _is_omniloom_meta_file(p):
+            return p
+        if (p.parent / META_FILE).is_file():  # e.g. a config that named the folder's tokenizer.json
+            return p.parent / META_FILE
+        raise ValueError(f"{p} is not omniloom's tokenizer metadata; pass the tokenizer folder (with {MODEL_FILE} + {META_FILE})")
+    if (p / META_FILE).is_file():
+        return p / META_FILE
+    if (p / LEGACY_META_FILE).is_file() and _is_omniloom_meta_file(p / LEGACY_META_FILE):
+        return p / LEGACY_META_FILE
+    if not p.exists():
+        raise FileNotFoundError(f"tokenizer folder {p} does not exist; make one with `omniloom tokenizer train`")
+    extra = f" ({LEGACY_META_FILE} there is a Hugging Face file, not omniloom's)" if (p / LEGACY_META_FILE).is_file() else ""
+    raise FileNotFoundError(f"{p} holds no {MODEL_FILE} + {META_FILE}{extra}; make one with `omniloom tokenizer train`")
+
+
+def _is_omniloom_meta_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4096)
+    except OSError:
+        return False
+    return f'"format": "{FORMAT}"'.encode() in head or f'"format":"{FORMAT}"'.encode() in head
+
+
+def read_meta(jpath: str | os.PathLike) -> dict:
+    """Parse and check omniloom's tokenizer metadata (format and version), naming the file on error."""
+    jpath = Path(jpath)
+    try:
+        meta = json.loads(jpath.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{jpath} is not valid JSON: {err}") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{jpath} is not an omniloom tokenizer (format {got!r}, want {FORMAT!r})")
+    if meta.get("version", 0) > VERSION:
+        raise ValueError(f"{jpath} has version {meta.get('version')}, newer than this omniloom reads ({VERSION}); upgrade omniloom")
+    return meta
+
+
+def has_tokenizer(folder: str | os.PathLike) -> bool:
+    """Whether `folder` already holds an omniloom tokenizer (new or legacy names)."""
+    try:
+        find_meta_file(folder)
+        return True
+    except (FileNotFoundError, ValueError):
+        return (Path(folder) / MODEL_FILE).exists()
+
+
 def _is_path_source(source) -> bool:
     if isinstance(source, (str, os.PathLike)):
         return True
@@ -224,7 +303,8 @@ def train_tokenizer(
     num_threads: int | None = None,
     progress: bool = False,
 ) -> Tokenizer:
-    """Train the SentencePiece BPE model and write tokenizer.model + tokenizer.json to out_dir.
+    """Train the SentencePiece BPE model and write tokenizer.model + omniloom_tokenizer.json (and the
+    Hugging Face files) to out_dir.
 
     `source` is a shard directory or tar (str or Path), a list of Paths, or any iterable of text
     strings. Text and code segments are cut into chunks of <= 4 KB at line ends; when there are

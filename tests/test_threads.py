@@ -1,0 +1,88 @@
+"""CPU threads per process (issue 15.1): cores shared among the processes of the machine and their
+DataLoader workers, explicit settings win, one log line, DataLoader workers run one thread."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from omniloom.pretrain.threads import choose_threads, configure_threads, local_processes
+
+
+def test_one_process_leaves_a_core_per_worker():
+    assert choose_threads(0, num_workers=2, env={}, cores=2).threads == 1  # the tiny preset on 2 cores
+    assert choose_threads(0, num_workers=2, env={}, cores=16).threads == 14
+    assert choose_threads(0, num_workers=0, env={}, cores=8).threads == 8
+
+
+def test_processes_on_the_machine_share_the_cores():
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    assert local_processes(env) == 2
+    assert choose_threads(0, num_workers=0, env=env, cores=16).threads == 8
+    assert choose_threads(0, num_workers=2, env=env, cores=16).threads == 6
+    assert choose_threads(0, num_workers=2, env=env, cores=2).threads == 1  # never below one
+    assert choose_threads(0, env={"LOCAL_WORLD_SIZE": "8"}, cores=4).threads == 1
+
+
+def test_explicit_choices_win():
+    c = choose_threads(3, num_workers=2, env={"OMP_NUM_THREADS": "5", "LOCAL_WORLD_SIZE": "2"}, cores=2)
+    assert (c.threads, c.reason) == (3, "set by train.num_threads")
+    c = choose_threads(0, num_workers=2, env={"OMP_NUM_THREADS": "5"}, cores=2)
+    assert (c.threads, c.reason) == (5, "set by OMP_NUM_THREADS")
+    # accelerate launch / torchrun export OMP_NUM_THREADS=1 to every rank by default: not a choice
+    launched = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert choose_threads(0, num_workers=0, env=launched, cores=16).threads == 8
+    assert choose_threads(0, num_workers=0, env={**launched, "OMP_NUM_THREADS": "3"}, cores=16).threads == 3
+    assert choose_threads(0, num_workers=0, env={"OMP_NUM_THREADS": "1"}, cores=16).threads == 1
+    with pytest.raises(ValueError, match="train.num_threads must be >= 0"):
+        choose_threads(-1, env={})
+
+
+def test_configure_sets_torch_and_logs_one_line(monkeypatch, caplog):
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        with caplog.at_level(logging.INFO, logger="omniloom.threads"):
+            assert configure_threads(1, num_workers=2) == 1
+        assert torch.get_num_threads() == 1
+        lines = [r.getMessage() for r in caplog.records if r.name == "omniloom.threads"]
+        assert len(lines) == 1 and "torch threads per process: 1" in lines[0] and "train.num_threads" in lines[0]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_trainer_applies_train_num_threads(tmp_path, monkeypatch):
+    """The Trainer (omniloom train and accelerate launch alike) sets the count before building."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from omniloom.pretrain import train as T
+    from omniloom.pretrain.config import load_config
+
+    seen = []
+    monkeypatch.setattr(T, "make_accelerator", lambda cfg: (_ for _ in ()).throw(RuntimeError("stop")))
+    monkeypatch.setattr(T, "configure_threads", lambda n, **kw: seen.append((n, kw["num_workers"])))
+    cfg = load_config("tiny", [f"train.run_dir={tmp_path}", "train.num_threads=3", "data.num_workers=2"])
+    with pytest.raises(RuntimeError, match="stop"):
+        T.Trainer(cfg, build_model=lambda c: None, build_loader=lambda *a: None)
+    assert seen == [(3, 2)]
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def test_dataloader_workers_run_one_thread():
+    from omniloom.data.stream import _one_thread_worker
+
+    class Probe(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = list(torch.utils.data.DataLoader(Probe(), batch_size=None, num_workers=1, worker_init_fn=_one_thread_worker))
+    finally:
+        torch.set_num_threads(before)
+    assert got == [1]
