@@ -143,8 +143,10 @@ def _token_losses(model, doc, max_len: int, patch_width: int):
     ces, mods, valids = [], [], []
     for piece in split_document(doc, max(max_len, 8)):
         batch, _ = collate_rows([[piece]], seq_len=len(piece), pad_id=PAD_ID, patch_dim=patch_width, patch_dtype="float32")
+        make_layout = getattr(model, "batch_layout", None)  # read on the host copy: no device sync
+        layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
         batch = batch.to(dev)
-        out = model(**batch.as_dict(), return_logits=True)
+        out = model(**batch.as_dict(), return_logits=True, **({"layout": layout} if layout is not None else {}))
         labels = batch.labels[0]
         ces.append(F.cross_entropy(out.logits[0].float(), labels.clamp(min=0), reduction="none").cpu())
         valids.append((labels != -100).cpu())
