@@ -323,6 +323,8 @@ class StreamLoader:
     state). With `max_batches` the loader is finite: exactly that many batches on every rank.
     """
 
+    pools_rank_states = True  # load_state_dict takes every saved rank's state (elastic resume)
+
     def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, rank: int,
                  world_size: int, pad_id: int, patch_dim: int, max_batches: int | None = None,
                  pin_memory: bool = False, split: str = "train"):

@@ -64,6 +64,9 @@ class LoggingConfig:
     tensorboard: bool = True
     spike_window: int = 128
     spike_sigma: float = 6.0
+    # Append, per rank and step, the documents trained on (source, epoch, sample, piece) to
+    # RUN/data_trace/rankNNNNN.jsonl: an audit of exactly-once data, e.g. across a resume.
+    data_trace: bool = False
 
 
 @dataclass(kw_only=True)

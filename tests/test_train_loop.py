@@ -464,3 +464,18 @@ def test_compile_trains_and_checkpoints_with_plain_keys(tmp_path):
 
     saved = load_file(str(ckpt_mod.latest_checkpoint(tmp_path / "checkpoints") / "accelerate" / "model.safetensors"))
     assert set(saved) == set(standin.StandinModel().state_dict())
+
+
+def test_data_states_of_every_saved_rank_reach_the_loader(tmp_path):
+    """The trainer hands a pooling loader (the stream) every saved rank's data state; another loader
+    gets its own rank's, and cannot resume on another world size."""
+    trainer = _trainer(tmp_path, "train.num_steps=1")
+    trainer._load_data_states([{"consumed": 3}])
+    assert trainer.train_loader.consumed == 3
+    with pytest.raises(ValueError, match="cannot resume on another world size; launch with --num_processes 2"):
+        trainer._load_data_states([{"consumed": 1}, {"consumed": 1}])
+    got = []
+    trainer.train_loader.pools_rank_states = True
+    trainer.train_loader.load_state_dict = got.append
+    trainer._load_data_states([{"consumed": 1}, {"consumed": 2}])
+    assert got == [[{"consumed": 1}, {"consumed": 2}]]
