@@ -487,6 +487,7 @@ class StreamLoader:
             self._states = copy.deepcopy(mine[0]["workers"])
             self.consumed = int(mine[0]["consumed"])
             self._docs_seen = [st["docs"] if st else 0 for st in self._states]
+            self.resumed_from = None
             return
         self._load_elsewhere(states)
 

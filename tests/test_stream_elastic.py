@@ -166,3 +166,10 @@ def test_split_and_redistribute_partition_the_unread_rest():
     assert sorted(ref for ws in new for ref in ws["shuffle"]) == [[0, 0, 0], [0, 0, 5]]
     assert sum(len(ws["packer"]) for ws in new) == 2
     assert sum(ws["skipped"].get("x", 0) for ws in new) == 2
+
+
+def test_another_layout_with_another_data_config_is_still_refused(corpus):
+    states = [loader.state_dict() for loader in _loaders(corpus, 2, 2)]
+    other = build_loader(DataConfig(**{**_cfg(corpus, 1).__dict__, "seq_len": 128}), TOK, patch_dim=TOK.tubelet_dim)
+    with pytest.raises(ValueError, match="does not match this data config.*seq_len: saved 256, now 128"):
+        other.load_state_dict(states)
