@@ -11,14 +11,18 @@ lockstep across slots. Sources are mixed per document: each draw picks a source 
 proportional to its weight. A finite pass (evaluation) is `max_batches` batches per rank.
 
 Exact resume. A worker's whole state is a few integers plus *references*: its RNG state, the
-(epoch, position) cursor of each source, the references of the raw samples in its shuffle buffer
-and of the document pieces in its packer, and its counters. Each batch carries the producing
-worker's state to the main process; `StreamLoader.state_dict()` holds, for each worker, the state
-as of the last batch the trainer consumed, and which worker is next. On restore, buffered samples
-are re-read by manifest offset (not replayed from the start of the epoch) and the DataLoader's
-round-robin is rotated so the next batch comes from the right worker: the batches after a restore
-are identical to an uninterrupted run. A state saved with another world size or worker count is
-refused with a ValueError (the ranges would not line up, so no-loss/no-repeat could not be kept).
+(epoch, position) cursor of each source, the references (source, epoch, global index in the epoch's
+order) of the raw samples in its shuffle buffer and of the document pieces in its packer, and its
+counters. Each batch carries the producing worker's state to the main process;
+`StreamLoader.state_dict()` holds, for each worker, the state as of the last batch the trainer
+consumed, and which worker is next. On restore, buffered samples are re-read by manifest offset (not
+replayed from the start of the epoch) and the DataLoader's round-robin is rotated so the next batch
+comes from the right worker: the batches after a restore are identical to an uninterrupted run.
+
+Elastic resume. A state saved with another world size or worker count is accepted when the states of
+every saved rank are given: data/elastic.py pools them and splits the unread rest of each source's
+begun epochs, and the buffered documents, among the new slots. Every document is then still trained
+on once per epoch (the order differs); see docs/resume.md. Another data config is refused.
 """
 
 from __future__ import annotations
@@ -42,13 +46,14 @@ from omniloom.tokenizers.layout import MODALITY_NAMES, TokenizedDoc
 
 from .batch import PackedBatch, collate_rows
 from .config import DataConfig, SourceConfig
+from .cursor import SourceCursor as _SourceCursor
 from .packing import BestFitPacker, PackingError, Piece, split_document
 from .reader import SampleError, SampleReader, ShardSet, resolve_source
 
 log = logging.getLogger(__name__)
 
 TokenizeFn = Callable[[dict, dict], TokenizedDoc]
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: buffered refs are (source, epoch, global index); 1 was slot-relative
 _MAX_LOGGED_SKIPS = 5  # per reason and worker; the counters keep counting after that
 
 
@@ -120,49 +125,6 @@ def _worker_init(worker_id: int) -> None:
     _one_thread_worker(worker_id)
 
 
-class _SourceCursor:
-    """Where one slot is in one source: (epoch, position in this slot's range of that epoch)."""
-
-    def __init__(self, shard_set: ShardSet, src_idx: int, seed: int, slot: int, num_slots: int):
-        self.set, self.src_idx, self.seed = shard_set, src_idx, seed
-        n = shard_set.num_samples
-        if n < num_slots:
-            raise ValueError(f"source '{shard_set.label}' has {n} samples, fewer than the {num_slots} reader slots "
-                             "(world_size x num_workers); use fewer workers or add data")
-        self.lo_frac, self.hi_frac = (n * slot) // num_slots, (n * (slot + 1)) // num_slots
-        self.range_len = self.hi_frac - self.lo_frac
-        self.counts = np.array([s.num_samples for s in shard_set.shards], dtype=np.int64)
-        self.epoch, self.pos = 0, 0
-        self.reader = SampleReader(shard_set.shards)
-        self._plans: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def _plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        if epoch not in self._plans:
-            if len(self._plans) > 2:  # refs from at most the previous epoch are still buffered
-                self._plans.pop(min(self._plans))
-            rng = np.random.default_rng([self.seed, self.src_idx, epoch, 0x0A11])
-            order = rng.permutation(len(self.counts))
-            self._plans[epoch] = (order, np.cumsum(self.counts[order]))
-        return self._plans[epoch]
-
-    def locate(self, epoch: int, pos: int) -> tuple[int, int]:
-        """(shard index, sample index) of position `pos` of this slot's range in `epoch`."""
-        order, cum = self._plan(epoch)
-        g = self.lo_frac + pos
-        k = int(np.searchsorted(cum, g, side="right"))
-        return int(order[k]), int(g - (cum[k - 1] if k else 0))
-
-    def next_ref(self) -> tuple[int, int, int]:
-        ref = (self.src_idx, self.epoch, self.pos)
-        self.pos += 1
-        if self.pos == self.range_len:
-            self.epoch, self.pos = self.epoch + 1, 0
-        return ref
-
-    def read(self, epoch: int, pos: int) -> tuple[dict, dict]:
-        return self.reader.read_document(*self.locate(epoch, pos))
-
-
 class WorkerStream:
     """The deterministic pipeline of one slot. `next_batch()` -> (PackedBatch, counts)."""
 
@@ -179,6 +141,7 @@ class WorkerStream:
         self.skipped: Counter = Counter()
         self.token_stats: Counter = Counter()  # TokenizedDoc.stats summed (decode errors, drops)
         self.docs = 0  # documents tokenized and handed to the packer
+        self.last_pieces: list = []
         self.batches = 0
 
     # -- pipeline ------------------------------------------------------------------------------
@@ -190,7 +153,7 @@ class WorkerStream:
     def _draw_sample(self) -> tuple[tuple, dict, dict]:
         src = int(self.rng.choice(len(self.weights), p=self.weights)) if len(self.weights) > 1 else 0
         cursor = self.cursors[src]
-        for _ in range(cursor.range_len + 1):
+        for _ in range(cursor.attempts_left_bound()):
             ref = cursor.next_ref()
             try:
                 doc, media = cursor.read(ref[1], ref[2])
@@ -249,6 +212,7 @@ class WorkerStream:
         for _ in range(self.cfg.batch_size):
             self._fill_packer()
             rows.append(self.packer.pop_row())
+        self.last_pieces = [[list(p.ref), p.index] for row in rows for p in row]
         batch, counts = collate_rows(rows, seq_len=self.cfg.seq_len, pad_id=self.pad_id,
                                      patch_dim=self.patch_dim, patch_dtype=self.cfg.patch_dtype)
         self.batches += 1
@@ -260,6 +224,7 @@ class WorkerStream:
         return {
             "rng": copy.deepcopy(self.rng.bit_generator.state),
             "cursors": [[c.epoch, c.pos] for c in self.cursors],
+            **({"pending": [c.pending_state() for c in self.cursors]} if any(c.pending for c in self.cursors) else {}),
             "shuffle": [list(ref) for ref, _, _ in self.shuffle],
             "packer": [[list(ref), idx] for ref, idx in self.packer.state_refs()],
             "skipped": dict(self.skipped),
@@ -271,8 +236,9 @@ class WorkerStream:
     def load_state_dict(self, state: dict) -> None:
         """Restore; buffered samples are re-read by reference (random access by manifest offset)."""
         self.rng.bit_generator.state = copy.deepcopy(state["rng"])
-        for cursor, (epoch, pos) in zip(self.cursors, state["cursors"], strict=True):
-            cursor.epoch, cursor.pos = int(epoch), int(pos)
+        pending = state.get("pending") or [None] * len(self.cursors)
+        for cursor, (epoch, pos), pend in zip(self.cursors, state["cursors"], pending, strict=True):
+            cursor.load(epoch, pos, pend)
         self.skipped = Counter(state["skipped"])
         self.token_stats = Counter(state.get("token_stats", {}))
         self.docs, self.batches = int(state["docs"]), int(state["batches"])
@@ -343,7 +309,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
         try:
             while self.max_batches is None or index < self.max_batches:
                 batch, counts = stream.next_batch()
-                meta = {"worker": logical, "index": index, "state": stream.state_dict(), "counts": counts}
+                meta = {"worker": logical, "index": index, "state": stream.state_dict(), "counts": counts,
+                        "pieces": stream.last_pieces}
                 yield batch, meta
                 index += self.num_logical
         finally:
@@ -362,6 +329,8 @@ class StreamLoader:
     state). With `max_batches` the loader is finite: exactly that many batches on every rank.
     """
 
+    pools_rank_states = True  # load_state_dict takes every saved rank's state (elastic resume)
+
     def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, rank: int,
                  world_size: int, pad_id: int, patch_dim: int, max_batches: int | None = None,
                  pin_memory: bool = False, split: str = "train"):
@@ -378,6 +347,8 @@ class StreamLoader:
         self._window_start = time.perf_counter()
         self._window = {"docs": 0, "tokens": np.zeros(5, np.int64), "padding": 0, "batches": 0}
         self._docs_seen = [0] * self.num_logical
+        self.last_pieces: list = []  # [[source, epoch, global index], piece] of each piece of the last batch
+        self.resumed_from: tuple[int, int] | None = None  # (world_size, workers) of an elastic resume
 
     def __len__(self) -> int:
         if self.max_batches is None:
@@ -405,6 +376,7 @@ class StreamLoader:
             for batch, meta in items:
                 assert meta["index"] == self.consumed, f"batch {meta['index']} arrived when {self.consumed} was due"
                 self._states[meta["worker"]] = meta["state"]
+                self.last_pieces = meta["pieces"]
                 self.consumed += 1
                 self._account(meta)
                 if self.cfg.num_workers == 0 and self.pin_memory:
@@ -498,27 +470,62 @@ class StreamLoader:
         return {"version": STATE_VERSION, "rank": self.rank, "fingerprint": self._fingerprint(),
                 "consumed": self.consumed, "workers": copy.deepcopy(self._states)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`. Refuses (ValueError) a state from another layout or data config."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"data-loader state version {state.get('version')} is not {STATE_VERSION}")
-        old, new = state["fingerprint"], self._fingerprint()
-        if (old["world_size"], old["num_workers"]) != (new["world_size"], new["num_workers"]):
-            raise ValueError(
-                f"data-loader state was saved with world_size={old['world_size']} x num_workers="
-                f"{old['num_workers']}, this run has world_size={new['world_size']} x num_workers="
-                f"{new['num_workers']}: exact resume needs the same layout (each rank/worker owns a fixed "
-                "slice of every epoch). Resume with the original layout, or start the data stream fresh.")
-        diff = [k for k in new if json_safe(old.get(k)) != json_safe(new[k])]
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """Continue from `state`: this rank's saved state, or the list of every saved rank's state.
+
+        Same layout (world_size x workers): exact resume from this rank's state. Another layout:
+        the states of every saved rank are pooled and redistributed (data/elastic.py), which needs
+        the whole list (or the one state of a 1-process run). Another data config: ValueError."""
+        states = [self._upgrade(st) for st in ([state] if isinstance(state, dict) else list(state))]
+        if not states:
+            raise ValueError("no data-loader state given")
+        old, new = states[0]["fingerprint"], self._fingerprint()
+        layout = ("world_size", "num_workers")
+        diff = [k for k in new if k not in layout and json_safe(old.get(k)) != json_safe(new[k])]
         if diff:
             details = "; ".join(f"{k}: saved {old.get(k)!r}, now {new[k]!r}" for k in diff)
             raise ValueError(f"data-loader state does not match this data config ({details}); "
                              "resume with the config it was saved with")
-        if state["rank"] != self.rank:
-            raise ValueError(f"data-loader state of rank {state['rank']} given to rank {self.rank}")
-        self._states = copy.deepcopy(state["workers"])
-        self.consumed = int(state["consumed"])
-        self._docs_seen = [st["docs"] if st else 0 for st in self._states]
+        if (old["world_size"], max(old["num_workers"], 1)) == (self.world_size, self.num_logical):
+            mine = [st for st in states if st["rank"] == self.rank] if len(states) > 1 else states
+            if len(mine) != 1 or mine[0]["rank"] != self.rank:
+                raise ValueError(f"data-loader state of rank {states[0]['rank']} given to rank {self.rank}")
+            self._states = copy.deepcopy(mine[0]["workers"])
+            self.consumed = int(mine[0]["consumed"])
+            self._docs_seen = [st["docs"] if st else 0 for st in self._states]
+            self.resumed_from = None
+            return
+        self._load_elsewhere(states)
+
+    def _load_elsewhere(self, states: list[dict]) -> None:
+        """Resume on another layout: pool every saved rank's state, take this rank's share."""
+        from .elastic import redistribute
+
+        old = states[0]["fingerprint"]
+        ranks = sorted(int(st["rank"]) for st in states)
+        if ranks != list(range(old["world_size"])) or any(
+                json_safe(st["fingerprint"]) != json_safe(old) for st in states):
+            raise ValueError(
+                f"data-loader state was saved with world_size={old['world_size']} x num_workers="
+                f"{old['num_workers']}, this run has world_size={self.world_size} x num_workers="
+                f"{self.cfg.num_workers}: resuming on another layout needs the state of every saved rank "
+                f"(got ranks {ranks}); load all data_rank*.pt files of the checkpoint (the trainer does)")
+        per_rank = redistribute(states, num_samples=[s.num_samples for s in self.sets], seed=self.cfg.seed,
+                                world_size=self.world_size, num_workers=self.cfg.num_workers)
+        self._states = per_rank[self.rank]
+        self.consumed = 0
+        self._docs_seen = [0] * self.num_logical
+        self.resumed_from = (int(old["world_size"]), max(int(old["num_workers"]), 1))
+        if self.rank == 0:
+            log.info("data stream resumed on another layout: %d rank(s) x %d worker(s) -> %d rank(s) x %d "
+                     "worker(s); the unread rest of each source's epoch and the buffered documents were "
+                     "redistributed (each document still trained on once per epoch, in another order)",
+                     *self.resumed_from, self.world_size, self.num_logical)
+
+    def _upgrade(self, state: dict) -> dict:
+        from .elastic import upgrade_state
+
+        return upgrade_state(state, [s.num_samples for s in self.sets], STATE_VERSION)
 
 
 def json_safe(value):

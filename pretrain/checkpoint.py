@@ -194,25 +194,38 @@ class CheckpointManager:
         for old in found[: max(0, len(found) - self.keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: str | Path) -> tuple[dict, dict | None]:
-        """Restore model/optimizer/RNG into the prepared objects; return (trainer_state, data_state
-        of this rank). The world size must match the one that wrote the checkpoint, because every
-        rank's data position and RNG are restored exactly."""
+    def load(self, path: str | Path) -> tuple[dict, list]:
+        """Restore model/optimizer/RNG into the prepared objects; return (trainer_state, the data
+        states of every rank that wrote the checkpoint, in rank order): a data loader resuming on
+        another layout pools them all (data/elastic.py).
+
+        Another world size is accepted when the model and optimizer are replicated (one process or
+        DDP): they load as saved, the ranks' RNG streams are restored only where a saved rank of
+        the same index exists (the resume is no longer bit-exact; the data stream keeps every
+        document once per epoch). A sharded (FSDP) checkpoint needs the same world size."""
         path = Path(path)
         info = json.loads((path / MARKER).read_text())
-        if info.get("world_size") != self.acc.num_processes:
-            raise ValueError(f"checkpoint {path} was written by {info.get('world_size')} processes but this run has "
-                             f"{self.acc.num_processes}; exact resume needs the same world size (launch with "
-                             f"--num_processes {info.get('world_size')})")
+        saved_world = info.get("world_size")
+        same_world = saved_world == self.acc.num_processes
+        if not same_world and (not isinstance(saved_world, int) or saved_world < 1 or self._sharded()):
+            raise ValueError(f"checkpoint {path} was written by {saved_world} processes but this run has "
+                             f"{self.acc.num_processes}; a sharded (FSDP) checkpoint resumes on the same world size "
+                             f"only (launch with --num_processes {saved_world})")
         try:
             self.acc.load_state(str(path / "accelerate"))
             trainer_state = torch.load(path / "trainer.pt", weights_only=True)
-            data_state = torch.load(path / f"data_rank{self.acc.process_index:05d}.pt", weights_only=True)
+            data_states = [torch.load(path / f"data_rank{r:05d}.pt", weights_only=True) for r in range(saved_world)]
         except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
             raise ValueError(_unloadable_message(path, err)) from err
-        self._check_rng_restored(path)
+        if same_world:
+            self._check_rng_restored(path)
         log.info("resumed from %s (step %d)", path, trainer_state.get("step", -1))
-        return trainer_state, data_state
+        return trainer_state, data_states
+
+    def _sharded(self) -> bool:
+        from accelerate.utils import DistributedType
+
+        return self.acc.distributed_type == DistributedType.FSDP
 
     def _check_rng_restored(self, path: Path) -> None:
         """accelerate skips an unreadable `random_states_<rank>.pkl` with an INFO line and goes on

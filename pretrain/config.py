@@ -70,6 +70,9 @@ class LoggingConfig:
     # without a terminal for the progress bar (launcher, pipe, log file): one progress line every N
     # seconds on rank 0 (step, loss, tokens/s, time left); 0: none
     progress_seconds: float = 30.0
+    # Append, per rank and step, the documents trained on (source, epoch, sample, piece) to
+    # RUN/data_trace/rankNNNNN.jsonl: an audit of exactly-once data, e.g. across a resume.
+    data_trace: bool = False
 
 
 @dataclass(kw_only=True)

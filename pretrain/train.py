@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -123,7 +124,7 @@ class Trainer:
         self.peak_flops = peak_flops_per_device(self.device)
 
         # Resume before the loader exists, so the loader starts from the restored position.
-        data_state = None
+        data_states = None
         if cfg.checkpoint.resume == "auto" and resume is None:
             log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", self.ckpt.dir)
         elif not cfg.checkpoint.resume and latest_checkpoint(self.ckpt.dir) is not None:
@@ -132,13 +133,14 @@ class Trainer:
                         "later --resume auto would pick them); pass --resume auto to continue instead, "
                         "or choose another train.run_dir", self.ckpt.dir, latest_checkpoint(self.ckpt.dir).name)
         if resume is not None:
-            data_state = self._restore(resume)
+            data_states = self._restore(resume)
         self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
-        if data_state is not None:
-            self.train_loader.load_state_dict(data_state)
+        if data_states is not None:
+            self._load_data_states(data_states)
         with torch.random.fork_rng(devices=[]):  # see _next_host_batch
             self.train_iter = iter(self.train_loader)
         self._staged = None  # the batch staged one step ahead (_next_batch)
+        self._step_pieces: list = []  # the documents of this step's batches (logging.data_trace)
         self._data_state = None  # the loader's state as of the last batch handed to a step
         self._copy_stream = None
 
@@ -159,6 +161,7 @@ class Trainer:
             while self.step < cfg.train.num_steps:
                 t_step = time.perf_counter()
                 stats, counts_LME, lr = self.run_step()
+                self._trace_step()
                 losses.append(stats["loss"])
                 window.add(stats, counts_LME, time.perf_counter() - t_step, self.timer.pop())
 
@@ -272,7 +275,8 @@ class Trainer:
         here, not of the one staged ahead, so a resume neither skips nor repeats a batch."""
         if self._staged is None:
             self._staged = self._stage()
-        batch, layout, n, state, copy_stream = self._staged
+        batch, layout, n, state, copy_stream, pieces = self._staged
+        self._step_pieces += pieces
         if copy_stream is not None:  # this step's kernels wait for the side-stream copy, not the host
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(copy_stream)
@@ -286,17 +290,18 @@ class Trainer:
     def _stage(self):
         batch = self._next_host_batch()
         state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
+        pieces = list(getattr(self.train_loader, "last_pieces", None) or [])
         model = self.acc.unwrap_model(self.model)
         make_layout = getattr(model, "batch_layout", None)
         layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
         n = B.num_targets(batch)
         if self.device.type != "cuda":
-            return batch.to(self.device), layout, n, state, None
+            return batch.to(self.device), layout, n, state, None, pieces
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._copy_stream):
             on_device = batch.to(self.device, non_blocking=True)
-        return on_device, layout, n, state, self._copy_stream
+        return on_device, layout, n, state, self._copy_stream, pieces
 
     def _next_host_batch(self):
         # Loading may draw from torch's global RNG (a DataLoader draws its base seed when its
@@ -326,6 +331,16 @@ class Trainer:
         if counts_LME is not None and callable(fn):
             with torch.no_grad():
                 fn(counts_LME)
+
+    def _trace_step(self) -> None:
+        """logging.data_trace: one line per step and rank, the pieces its batches held."""
+        pieces, self._step_pieces = self._step_pieces, []
+        if not self.cfg.logging.data_trace:
+            return
+        path = self.run_dir / "data_trace" / f"rank{self.acc.process_index:05d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": self.step, "pieces": pieces}) + "\n")
 
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
@@ -364,7 +379,20 @@ class Trainer:
                               config_yaml=to_yaml(self.cfg))
         self.last_checkpoint = str(path)
 
-    def _restore(self, path: Path) -> dict:
+    def _load_data_states(self, states: list) -> None:
+        """The data states of every saved rank: a loader that pools them (the stream: it resumes on
+        another world size x workers, logging one line) gets them all, another its own rank's."""
+        if any(st is None for st in states):
+            return  # saved by a loader without state
+        if getattr(self.train_loader, "pools_rank_states", False):
+            self.train_loader.load_state_dict(states)
+        elif len(states) == self.acc.num_processes:
+            self.train_loader.load_state_dict(states[self.acc.process_index])
+        else:
+            raise ValueError(f"this run's data loader ({type(self.train_loader).__name__}) cannot resume on another "
+                             f"world size; launch with --num_processes {len(states)}")
+
+    def _restore(self, path: Path) -> list:
         trainer_state, data_state = self.ckpt.load(path)
         self.step = int(trainer_state["step"])
         self.tokens_seen = int(trainer_state["tokens_seen"])

@@ -485,3 +485,18 @@ def test_tensorboard_has_one_run_holding_metrics_and_hyperparameters(tmp_path):
 
     info = plugin_data_pb2.HParamsPluginData.FromString(plugins["_hparams_/session_start_info"]).session_start_info
     assert info.hparams["train.num_steps"].number_value == 2
+
+
+def test_data_states_of_every_saved_rank_reach_the_loader(tmp_path):
+    """The trainer hands a pooling loader (the stream) every saved rank's data state; another loader
+    gets its own rank's, and cannot resume on another world size."""
+    trainer = _trainer(tmp_path, "train.num_steps=1")
+    trainer._load_data_states([{"consumed": 3}])
+    assert trainer.train_loader.consumed == 3
+    with pytest.raises(ValueError, match="cannot resume on another world size; launch with --num_processes 2"):
+        trainer._load_data_states([{"consumed": 1}, {"consumed": 1}])
+    got = []
+    trainer.train_loader.pools_rank_states = True
+    trainer.train_loader.load_state_dict = got.append
+    trainer._load_data_states([{"consumed": 1}, {"consumed": 2}])
+    assert got == [[{"consumed": 1}, {"consumed": 2}]]

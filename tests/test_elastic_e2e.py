@@ -1,0 +1,164 @@
+"""Elastic resume end to end with the real model and stream: `accelerate launch` 2 processes x 2
+loader workers, SIGKILL mid-run, resumed on another layout (1 x 1, 4 x 1). `logging.data_trace`
+records the pieces every rank trained on at every step; across the kill and the resume, every
+document of the first epoch is trained on exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from omniloom.pretrain.checkpoint import latest_checkpoint, step_of
+from omniloom.pretrain.config import presets_dir
+from omniloom.pretrain.metrics import read_metrics
+
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+CPU_2PROC = presets_dir() / "accelerate" / "cpu_2proc.yaml"
+
+
+@pytest.fixture(scope="module")
+def text_shards_and_tokenizer(tmp_path_factory):
+    """A tokenizer from the demo corpus, and 45 short text documents in 4 uneven shards."""
+    from omniloom.pretrain.cli import main
+
+    root = tmp_path_factory.mktemp("elastic_e2e")
+    assert main(["-qq", "data", "demo-corpus", "--out", str(root / "corpus"), "--num-images", "4", "--num-videos", "1",
+                 "--num-heldout-images", "1", "--num-heldout-videos", "1", "--num-interleaved", "1",
+                 "--image-size", "32"]) == 0
+    assert main(["-qq", "data", "build", str(root / "corpus" / "train"), "--out", str(root / "demo")]) == 0
+    assert main(["-qq", "tokenizer", "train", "--data", str(root / "demo"), "--vocab-size", "512",
+                 "--out", str(root / "tok"), "--threads", "1", "--image-patch-budget", "16",
+                 "--video-frame-budget", "4", "--video-patch-budget", "8"]) == 0
+    words = "the of and to in is that for it as with was on be by this are from image code".split()
+    (root / "text").mkdir()
+    with open(root / "text" / "docs.jsonl", "w") as fh:
+        for i in range(45):
+            body = " ".join(words[(i * 7 + k) % len(words)] for k in range(30 + i % 20))
+            fh.write(json.dumps({"segments": [{"type": "text", "text": f"document {i}: {body}."}]}) + "\n")
+    assert main(["-qq", "data", "build", str(root / "text"), "--out", str(root / "shards"), "--shard-docs", "12"]) == 0
+    return root
+
+
+def _args(run_dir: Path, root: Path, workers: int, *extra: str) -> list[str]:
+    return ["-m", "omniloom.pretrain.train", "--config", "tiny", "--run-dir", str(run_dir), "--no-progress",
+            f"data.sources=[{{path: {root / 'shards'}}}]", f"data.tokenizer={root / 'tok'}", "data.seq_len=128",
+            "data.batch_size=2", f"data.num_workers={workers}", "data.shuffle_buffer=4", "data.pack_buffer=4",
+            "model.dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.rope_sections=[8,12,12]",
+            "model.attention.window=64", "model.moe.expert_dim=64", "model.moe.dense_dim=128",
+            "model.attention.block_size=16", "optim.warmup_steps=2", "train.num_steps=48", "checkpoint.every=2",
+            "logging.tensorboard=false", "logging.data_trace=true", *extra]
+
+
+def _launch(num_processes: int, args: list[str]) -> list[str]:
+    if num_processes == 1:
+        return [sys.executable, *args]
+    return [str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), "--num_processes", str(num_processes), *args]
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants at once (torchrun starts the ranks in sessions of
+    their own, so killing the launcher's process group leaves them running)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _trace(run_dir: Path) -> dict[str, list[dict]]:
+    return {p.name: [json.loads(line) for line in p.read_text().splitlines()]
+            for p in sorted((run_dir / "data_trace").glob("rank*.jsonl"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("new_procs", [1, 4])
+def test_killed_2x2_run_resumed_on_another_layout_trains_each_document_once(text_shards_and_tokenizer, tmp_path,
+                                                                              new_procs):
+    from omniloom.data.config import SourceConfig
+    from omniloom.data.reader import resolve_source
+
+    root = text_shards_and_tokenizer
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    run = tmp_path / "run"
+
+    def steps():
+        path = run / "metrics.jsonl"
+        return [r["step"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
+
+    proc = subprocess.Popen(_launch(2, _args(run, root, 2)), env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and max(steps(), default=0) < 3:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.02)
+        _kill_tree(proc.pid)  # launcher, ranks and loader workers: no chance to save
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc.pid)
+    killed_at = max(steps())
+    time.sleep(1)
+    assert max(steps()) == killed_at, "the run went on after the kill"
+    saved = step_of(latest_checkpoint(run / "checkpoints"))
+    assert 2 <= saved <= killed_at < 48, (saved, killed_at)
+    before = _trace(run)
+    assert sorted(before) == ["rank00000.jsonl", "rank00001.jsonl"]
+    done = subprocess.run(_launch(new_procs, _args(run, root, 1, "checkpoint.resume=auto")), env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"2 rank(s) x 2 worker(s) -> {new_procs} rank(s) x 1 worker(s)" in done.stderr, done.stderr[-3000:]
+    after = _trace(run)
+    pieces, resumed = [], []
+    for name, lines in after.items():
+        old = len(before.get(name, []))
+        pieces += [p for line in lines[:old] if line["step"] <= saved for p in line["pieces"]]
+        resumed += [p for line in lines[old:] for p in line["pieces"]]
+        assert all(line["step"] > saved for line in lines[old:])
+    assert any(ref[1] == 0 for ref, _ in resumed), "the checkpoint was not in the middle of epoch 0"
+    counts = Counter((tuple(ref), idx) for ref, idx in pieces + resumed)
+    assert max(counts.values()) == 1, "a piece was trained on twice"
+    n = resolve_source(SourceConfig(path=str(root / "shards"))).num_samples
+    # What the final checkpoint still holds: every slot's cursor, and the documents drawn but not
+    # yet trained on. Every epoch all slots have left is complete: trained or buffered, once.
+    final = latest_checkpoint(run / "checkpoints")
+    assert step_of(final) == 48
+    states = [torch.load(f, weights_only=True) for f in sorted(final.glob("data_rank*.pt"))]
+    workers = [ws for st in states for ws in st["workers"] if ws is not None]
+    assert len(states) == new_procs and len(workers) == new_procs
+    done_epochs = min(ws["cursors"][0][0] for ws in workers)
+    assert done_epochs >= 1, "the run must get past epoch 0 on every slot"
+    buffered = {tuple(ref) for ws in workers for ref in ws["shuffle"]}
+    buffered_pieces = {(tuple(ref), idx) for ws in workers for ref, idx in ws["packer"]}
+    assert not buffered_pieces & set(counts), "a piece both trained on and still buffered"
+    for epoch in range(done_epochs):
+        trained = {ref[2] for ref, _ in counts if ref[1] == epoch}
+        waiting = {ref[2] for ref in buffered if ref[1] == epoch}
+        waiting_pieces = {ref[2] for ref, _ in buffered_pieces if ref[1] == epoch}
+        assert not trained & waiting, f"epoch {epoch}: a document trained on and still in a shuffle buffer"
+        assert trained | waiting | waiting_pieces == set(range(n)), f"epoch {epoch}: documents lost"
+        for g in trained - waiting_pieces:  # fully trained: pieces 0..k-1, each once
+            ix = sorted(idx for ref, idx in counts if ref[1] == epoch and ref[2] == g)
+            assert ix == list(range(len(ix))), f"epoch {epoch}: a piece of document {g} lost"
