@@ -5,9 +5,9 @@ document of the first epoch is trained on exactly once."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +20,11 @@ import torch
 from omniloom.pretrain.checkpoint import latest_checkpoint, step_of
 from omniloom.pretrain.config import presets_dir
 from omniloom.pretrain.metrics import read_metrics
+
+_spec = importlib.util.spec_from_file_location("proctree", Path(__file__).with_name("proctree.py"))
+_proctree = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_proctree)
+kill_tree = _proctree.kill_tree
 
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 CPU_2PROC = presets_dir() / "accelerate" / "cpu_2proc.yaml"
@@ -61,29 +66,8 @@ def _args(run_dir: Path, root: Path, workers: int, *extra: str) -> list[str]:
 def _launch(num_processes: int, args: list[str]) -> list[str]:
     if num_processes == 1:
         return [sys.executable, *args]
-    return [str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), "--num_processes", str(num_processes), *args]
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants at once (torchrun starts the ranks in sessions of
-    their own, so killing the launcher's process group leaves them running)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    return [str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), "--num_processes", str(num_processes),
+            "--main_process_port", str(_proctree.free_port()), *args]
 
 
 def _trace(run_dir: Path) -> dict[str, list[dict]]:
@@ -114,11 +98,11 @@ def test_killed_2x2_run_resumed_on_another_layout_trains_each_document_once(text
         while time.time() < deadline and max(steps(), default=0) < 3:
             assert proc.poll() is None, "the run ended before it could be killed"
             time.sleep(0.02)
-        _kill_tree(proc.pid)  # launcher, ranks and loader workers: no chance to save
+        kill_tree(proc.pid)  # launcher, ranks and loader workers: no chance to save
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc.pid)
+            kill_tree(proc.pid)
     killed_at = max(steps())
     time.sleep(1)
     assert max(steps()) == killed_at, "the run went on after the kill"

@@ -35,7 +35,12 @@ _spec.loader.exec_module(budget)
 
 STANDIN = Path(__file__).with_name("test_train_standin.py")
 CPU_2PROC = presets_dir() / "accelerate" / "cpu_2proc.yaml"
-LAUNCH = [sys.executable, "-m", "omniloom.pretrain.cli", "launch", "--config_file", str(CPU_2PROC)]
+_pspec = importlib.util.spec_from_file_location("proctree", Path(__file__).with_name("proctree.py"))
+_proctree = importlib.util.module_from_spec(_pspec)
+_pspec.loader.exec_module(_proctree)
+# a port of our own: another run holding the default 29500 makes accelerate warn on stderr
+LAUNCH = [sys.executable, "-m", "omniloom.pretrain.cli", "launch", "--config_file", str(CPU_2PROC),
+          "--main_process_port", str(_proctree.free_port())]
 TRAIN = [sys.executable, "-m", "omniloom.pretrain.cli", "train", "--no-progress"]
 SMALL = ["data.seq_len=64", "data.batch_size=1", "model.dim=32", "model.num_layers=2", "model.num_heads=2",
          "model.num_kv_heads=1", "model.rope_sections=[4,6,6]", "model.attention.window=32",

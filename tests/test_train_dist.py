@@ -4,6 +4,7 @@ stand-ins of tests/test_train_standin.py (2 DataLoader workers per rank)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -19,6 +20,11 @@ from omniloom.pretrain.checkpoint import latest_checkpoint, list_checkpoints
 from omniloom.pretrain.config import presets_dir
 from omniloom.pretrain.metrics import read_metrics
 
+_spec = importlib.util.spec_from_file_location("proctree", Path(__file__).with_name("proctree.py"))
+_proctree = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_proctree)
+kill_tree = _proctree.kill_tree
+
 STANDIN = Path(__file__).with_name("test_train_standin.py")
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 CPU_2PROC = presets_dir() / "accelerate" / "cpu_2proc.yaml"
@@ -32,7 +38,8 @@ def _env():
 
 
 def _launch_cmd(out: Path, *extra: str) -> list[str]:
-    return [str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), str(STANDIN), "--out", str(out), *extra]
+    return [str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), "--main_process_port", str(_proctree.free_port()),
+            str(STANDIN), "--out", str(out), *extra]
 
 
 def _run(cmd, timeout=240):
@@ -83,11 +90,11 @@ def test_sigkill_mid_training_then_resume_auto_matches_uninterrupted_run(referen
             if proc.poll() is not None:
                 pytest.fail("the run ended before it could be killed")
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, no chance to clean up
+        kill_tree(proc.pid)  # the launcher, both ranks and their workers, no chance to clean up
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     killed_at = max(_losses(out))
     assert 6 <= killed_at < 12
     resumed_from = latest_checkpoint(out / "checkpoints")
@@ -146,7 +153,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     assert proc.returncode == 0, output[-3000:]
     results = [json.loads((tmp_path / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["stopped_by"] for r in results] == ["signal", "signal"]
@@ -188,7 +195,8 @@ if rank == 0:
 def test_two_process_gradient_is_the_mean_over_every_label_of_the_global_batch(tmp_path):
     script = tmp_path / "grad_check.py"
     script.write_text(_GRAD_CHECK)
-    _run([str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), str(script), str(STANDIN), str(tmp_path)])
+    _run([str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), "--main_process_port", str(_proctree.free_port()),
+          str(script), str(STANDIN), str(tmp_path)])
     res = json.loads((tmp_path / "grad.json").read_text())
     assert res["err"] < 1e-4, res
     assert abs(res["loss"] - res["want"]) < 1e-4 * res["want"], res

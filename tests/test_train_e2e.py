@@ -3,11 +3,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from omniloom.pretrain.checkpoint import latest_checkpoint
 from omniloom.pretrain.cli import main
 from omniloom.pretrain.metrics import read_metrics
+
+_spec = importlib.util.spec_from_file_location("proctree", Path(__file__).with_name("proctree.py"))
+_proctree = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_proctree)
+kill_tree = _proctree.kill_tree
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +75,8 @@ def _launch(run_dir, root, *extra):
     from omniloom.pretrain.config import presets_dir
 
     return [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-            str(presets_dir() / "accelerate" / "cpu_2proc.yaml"), "-m", "omniloom.pretrain.train",
+            str(presets_dir() / "accelerate" / "cpu_2proc.yaml"), "--main_process_port", str(_proctree.free_port()),
+            "-m", "omniloom.pretrain.train",
             "--config", "tiny", "--run-dir", str(run_dir), "--no-progress",
             f"data.sources=[{{path: {root / 'shards' / 'train'}}}]", f"data.tokenizer={root / 'tok'}",
             "data.seq_len=128", "data.batch_size=2", "data.num_workers=2", "model.dim=64", "model.num_heads=2",
@@ -104,11 +113,11 @@ def test_real_stack_sigkill_resume_matches_uninterrupted_2proc_2workers(shards_a
         while time.time() < deadline and max(losses(killed), default=0) < 5:
             assert proc.poll() is None, "the run ended before it could be killed"
             time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     assert 5 <= max(losses(killed)) < 10
     proc = subprocess.run(_launch(killed, root, "checkpoint.resume=auto"), env=env, capture_output=True, text=True,
                           timeout=300)
