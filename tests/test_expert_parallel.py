@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from omniloom.model.config import ModelConfig, MoEConfig
 from omniloom.pretrain.expert_parallel import check_expert_parallel, expert_group_ranks, parallelize_experts
@@ -92,3 +93,97 @@ def test_ep2_over_two_processes_equals_one_process_model(tmp_path):
 def test_ep_with_data_parallel_equals_one_process_model(tmp_path, nproc, ep, dispatch):
     """EP 2 x DP 2 (replica groups average the expert shards) and EP 4 over 4 processes."""
     _parity(tmp_path, nproc, ep, dispatch)
+
+
+# ---- the trainer under accelerate launch (DDP over gloo) ------------------------------------------
+TRAIN_WORKER = Path(__file__).with_name("ep_train_worker.py")
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+def _accelerate(mode: str, out: Path, *overrides: str) -> None:
+    from omniloom.pretrain.config import presets_dir
+
+    cpu_2proc = presets_dir() / "accelerate" / "cpu_2proc.yaml"
+    run_torchrun([str(ACCELERATE), "launch", "--config_file", str(cpu_2proc), str(TRAIN_WORKER), mode, str(out),
+                  *overrides])
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    from omniloom.pretrain.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.mark.slow
+def test_trainer_step_with_ep2_equals_one_process_model(tmp_path):
+    """Trainer._train_step under DDP with expert parallelism (2 micro-batches, uneven labels,
+    clipping on): loss, every gradient after the expert sync and the global-norm clip, and the
+    gradient norm equal a 1-process model's on the global batch."""
+    _accelerate("step", tmp_path, "model.moe.expert_parallel=2", "optim.grad_clip=0.5")
+    res = json.loads((tmp_path / "step.json").read_text())
+    assert res["clip_scale"] < 1, res  # the clip did act
+    assert res["err"] < 1e-5, res
+    assert abs(res["loss"] - res["want"]) <= 1e-5 * res["want"], res
+    assert abs(res["grad_norm"] - res["want_norm"]) <= 1e-5 * res["want_norm"], res
+
+
+@pytest.mark.slow
+def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports_the_full_model(tmp_path):
+    from safetensors.torch import load_file
+
+    from omniloom.pretrain.export import export_checkpoint
+
+    common = ["train.num_steps=20", "checkpoint.every=10", "checkpoint.keep_last=5"]
+    ep_run, dp_run, resumed = tmp_path / "ep2", tmp_path / "dp", tmp_path / "resumed"
+    for d in (ep_run, dp_run, resumed):
+        d.mkdir()
+    _accelerate("fit", ep_run, *common, "model.moe.expert_parallel=2")
+    _accelerate("fit", dp_run, *common)
+    info = [json.loads((ep_run / f"result_rank{r}.json").read_text()) for r in (0, 1)]
+    dp_info = json.loads((dp_run / "result_rank0.json").read_text())
+    assert [i["ep"] for i in info] == [2, 2] and dp_info["ep"] == 1
+    full = torch.load(ep_run / "full_params.pt", weights_only=True)
+    n_experts = sum(v.numel() for k, v in full.items() if k.split(".")[-1] in ("w_gate", "w_up", "w_down"))
+    assert info[0]["expert_numel"] * 2 == n_experts  # each rank holds half of the expert parameters
+
+    ep_losses, dp_losses = _losses(ep_run), _losses(dp_run)
+    assert sorted(ep_losses) == list(range(1, 21)) and ep_losses[20] < ep_losses[1]
+    for s in ep_losses:
+        assert ep_losses[s] == pytest.approx(dp_losses[s], rel=1e-4), s
+
+    # the EP 2 checkpoint of step 10 resumes with expert_parallel=1 (full checkpoint, resliced)
+    _accelerate("fit", resumed, *common, f"checkpoint.resume={ep_run / 'checkpoints' / 'step_00000010'}")
+    got = _losses(resumed)
+    assert sorted(got) == list(range(11, 21))
+    for s in got:
+        assert got[s] == pytest.approx(ep_losses[s], rel=1e-4), s
+
+    # and the data-parallel checkpoint of step 10 resumes with expert_parallel=2 (full tensors sliced
+    # to each rank's shard, the optimizer's moments too)
+    resumed_ep = tmp_path / "resumed_ep"
+    resumed_ep.mkdir()
+    _accelerate("fit", resumed_ep, *common, "model.moe.expert_parallel=2",
+                f"checkpoint.resume={dp_run / 'checkpoints' / 'step_00000010'}")
+    got = _losses(resumed_ep)
+    assert sorted(got) == list(range(11, 21))
+    for s in got:
+        assert got[s] == pytest.approx(dp_losses[s], rel=1e-4), s
+
+    # export of the EP checkpoint: the full model, equal to the gathered weights and to the
+    # export of the same run without EP
+    tok = tmp_path / "tok"  # export checks only the vocabulary size and copies the files
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text('{"vocab_size": 65}')
+    (tok / "tokenizer.model").write_bytes(b"stand-in")
+    export_checkpoint(ep_run, tmp_path / "export_ep", tokenizer=tok)
+    export_checkpoint(dp_run, tmp_path / "export_dp", tokenizer=tok)
+    a = load_file(tmp_path / "export_ep" / "model.safetensors")
+    b = load_file(tmp_path / "export_dp" / "model.safetensors")
+    assert a.keys() == b.keys() == full.keys()
+    for k in a:
+        assert torch.equal(a[k], full[k]), k
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    cfg_ep = json.loads((tmp_path / "export_ep" / "config.json").read_text())
+    cfg_dp = json.loads((tmp_path / "export_dp" / "config.json").read_text())
+    assert cfg_ep["model"] == cfg_dp["model"] and cfg_ep["model"]["moe"]["expert_parallel"] == 1
+    assert cfg_ep["num_params"] == cfg_dp["num_params"]
