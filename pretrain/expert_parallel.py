@@ -22,6 +22,7 @@ trainer scales each rank's loss by W). `clip_grad_norm_` clips by the global nor
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import math
@@ -101,6 +102,7 @@ class ExpertParallel:
         return self.ep_rank * self.num_local, (self.ep_rank + 1) * self.num_local
 
     # ---- the dispatcher the MoE layers call ------------------------------------------------
+    @torch.compiler.disable  # communication and a host read: compiled blocks run it eagerly, between graphs
     def __call__(self, x_ND: torch.Tensor, counts_E: torch.Tensor,
                  run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Rows sorted by expert (all E experts) -> the experts' outputs in the same order, the
@@ -126,6 +128,13 @@ class ExpertParallel:
             y_chunks = y_local.split([recv_c[i] for i in by_expert])
             y_recv = torch.cat([y_chunks[e * N + s] for s in range(N) for e in range(El)])
         return _AllToAll.apply(y_recv, in_splits, out_splits, self.group)
+
+    def close(self) -> None:
+        """Destroy this plan's process groups (at exit; idempotent)."""
+        for g in {self.group, self.replica_group} - {None}:
+            with contextlib.suppress(Exception):  # already gone with the default group
+                dist.destroy_process_group(g)
+        self.group = self.replica_group = None
 
     # ---- gradients ---------------------------------------------------------------------------
     def grads(self) -> list[torch.Tensor]:
@@ -294,6 +303,9 @@ def parallelize_experts(model: nn.Module, ep_size: int, *, rank: int | None = No
         moe.expert_range = (lo, hi)  # for checkpoint and export code that reads the module
     plan = ExpertParallel(ep_size=ep_size, rank=rank, world_size=world_size, num_experts=num_experts,
                           group=my_group, replica_group=my_replica, expert_params=expert_params)
+    # gloo subgroups left to the interpreter's teardown can abort the process at exit ("terminate
+    # called without an active exception"): destroy them first
+    atexit.register(plan.close)
     for _, moe in moe_modules:
         moe.expert_dispatcher = plan
         # torch tags hooks with an attribute: plain functions, not bound methods

@@ -404,7 +404,7 @@ class Trainer:
             self.model.eval()
             m = B.NUM_MODALITIES
             vec = torch.zeros(2 * m + 2, device=self.device)
-            for i, batch in enumerate(loader):
+            for i, batch in enumerate(self._lockstep(loader)):
                 if i >= self.cfg.train.eval_steps:
                     break
                 model = self.acc.unwrap_model(self.model)
@@ -421,6 +421,21 @@ class Trainer:
             out["eval/loss"] = float(vec[-2] / vec[-1])
         log.info("eval at step %d: %s", self.step, {k: round(v, 4) for k, v in out.items()})
         return out
+
+
+    def _lockstep(self, loader):
+        """The loader's batches; with expert parallelism every forward is collective, so all ranks
+        stop at the first batch some rank does not have (one tiny all-reduce per batch)."""
+        if self.ep is None:
+            yield from loader
+            return
+        it = iter(loader)
+        while True:
+            batch = next(it, None)
+            have = torch.tensor([0.0 if batch is None else 1.0], device=self.device)
+            if float(self.acc.reduce(have, reduction="sum")) < self.acc.num_processes:
+                return
+            yield batch
 
 
 class _Window:

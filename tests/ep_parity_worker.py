@@ -1,7 +1,10 @@
 """One training step of a tiny OmniModel with expert parallelism, checked against a 1-process model
 with the same weights on the same global batch. Run under torchrun (gloo, CPU):
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/ep_parity_worker.py OUT EP [DISPATCH]
+    python -m torch.distributed.run --nproc_per_node 2 tests/ep_parity_worker.py OUT EP [DISPATCH [text-groups]]
+
+`text-groups`: modality groups (text experts first, visual experts last) and text-only batches, so
+the ranks holding only visual experts receive no rows at all.
 
 Every rank builds the same model (same seed), keeps a full copy as the reference, shards the
 experts with `parallelize_experts`, runs its slice of the global batch and backpropagates its share
@@ -28,13 +31,13 @@ from omniloom.pretrain.expert_parallel import parallelize_experts
 ROWS_PER_RANK = 2
 
 
-def tiny_cfg(ep: int, dispatch: str) -> ModelConfig:
+def tiny_cfg(ep: int, dispatch: str, groups: bool = False) -> ModelConfig:
     return ModelConfig(
         dim=32, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=64, patch_token_id=63, pad_token_id=0,
         rope_sections=(2, 2, 4), patch_dim=12, tubelet_dim=24, kernels="reference",
         attention=AttentionConfig(backend="blocksparse", pattern="LBG", window=12, block_size=8, num_selected_blocks=2),
         moe=MoEConfig(num_experts=8, num_experts_per_token=2, expert_dim=16, num_dense_layers=1, dense_dim=32,
-                      dispatch=dispatch, expert_parallel=ep),
+                      dispatch=dispatch, expert_parallel=ep, modality_groups=groups),
     )
 
 
@@ -45,17 +48,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> None:
     out_dir, ep = sys.argv[1], int(sys.argv[2])
     dispatch = sys.argv[3] if len(sys.argv) > 3 else "auto"
+    groups = len(sys.argv) > 4 and sys.argv[4] == "text-groups"
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    cfg = tiny_cfg(ep, dispatch)
+    cfg = tiny_cfg(ep, dispatch, groups)
     model = OmniModel(cfg)
     ref = copy.deepcopy(model)
     plan = parallelize_experts(model, ep)
     assert plan is not None and plan.expert_numel() * ep == sum(
         p.numel() for n, p in ref.named_parameters() if n.split(".")[-1] in ("w_gate", "w_up", "w_down"))
 
-    batches = [random_packed_batch(cfg, batch_size=ROWS_PER_RANK, seq_len=48, seed=10 + r) for r in range(world)]
+    batches = [random_packed_batch(cfg, batch_size=ROWS_PER_RANK, seq_len=48, seed=10 + r, visual=not groups)
+               for r in range(world)]
     local = batches[rank]
     n_local = float((local["labels"] != -100).sum())
     n_global = sum(float((b["labels"] != -100).sum()) for b in batches)

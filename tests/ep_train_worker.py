@@ -116,3 +116,7 @@ def _full_state(trainer, model):
 if __name__ == "__main__":
     mode, out, *overrides = sys.argv[1:]
     {"fit": fit, "step": step}[mode](out, overrides)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -72,9 +72,9 @@ def test_rank_layout_groups_consecutive_ranks_and_replicates_across_groups():
     assert expert_group_ranks(2, 2) == ([[0, 1]], [[0], [1]])
 
 
-def _parity(tmp_path, nproc: int, ep: int, dispatch: str = "auto") -> dict:
+def _parity(tmp_path, nproc: int, ep: int, dispatch: str = "auto", variant: str = "") -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(WORKER), str(tmp_path), str(ep), dispatch]
+           str(WORKER), str(tmp_path), str(ep), dispatch, *([variant] if variant else [])]
     run_torchrun(cmd)
     res = json.loads((tmp_path / "result.json").read_text())
     assert res["world"] == nproc and res["ep"] == ep and res["num_params"] > 40
@@ -89,10 +89,12 @@ def test_ep2_over_two_processes_equals_one_process_model(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,ep,dispatch", [(2, 2, "loop"), (4, 2, "auto"), (4, 4, "loop")])
-def test_ep_with_data_parallel_equals_one_process_model(tmp_path, nproc, ep, dispatch):
-    """EP 2 x DP 2 (replica groups average the expert shards) and EP 4 over 4 processes."""
-    _parity(tmp_path, nproc, ep, dispatch)
+@pytest.mark.parametrize("nproc,ep,dispatch,variant", [(2, 2, "loop", ""), (4, 2, "auto", ""), (4, 4, "loop", ""),
+                                                       (2, 2, "auto", "text-groups"), (2, 2, "loop", "text-groups")])
+def test_ep_with_data_parallel_equals_one_process_model(tmp_path, nproc, ep, dispatch, variant):
+    """EP 2 x DP 2 (replica groups average the expert shards), EP 4 over 4 processes, and a rank
+    that receives no rows at all (text-only batches, its experts all visual)."""
+    _parity(tmp_path, nproc, ep, dispatch, variant)
 
 
 # ---- the trainer under accelerate launch (DDP over gloo) ------------------------------------------
@@ -114,12 +116,21 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
+def _evals(run_dir: Path) -> dict[int, float]:
+    from omniloom.pretrain.metrics import read_metrics
+
+    return {r["step"]: r["eval/loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "eval/loss" in r}
+
+
 @pytest.mark.slow
-def test_trainer_step_with_ep2_equals_one_process_model(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["train.activation_checkpointing=true"]])
+def test_trainer_step_with_ep2_equals_one_process_model(tmp_path, extra):
     """Trainer._train_step under DDP with expert parallelism (2 micro-batches, uneven labels,
     clipping on): loss, every gradient after the expert sync and the global-norm clip, and the
-    gradient norm equal a 1-process model's on the global batch."""
-    _accelerate("step", tmp_path, "model.moe.expert_parallel=2", "optim.grad_clip=0.5")
+    gradient norm equal a 1-process model's on the global batch. With activation checkpointing
+    the exchange runs again in backward's recomputation. (train.compile=true passes too, checked
+    by hand: a minute of CPU compilation.)"""
+    _accelerate("step", tmp_path, "model.moe.expert_parallel=2", "optim.grad_clip=0.5", *extra)
     res = json.loads((tmp_path / "step.json").read_text())
     assert res["clip_scale"] < 1, res  # the clip did act
     assert res["err"] < 1e-5, res
@@ -133,7 +144,8 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
 
     from omniloom.pretrain.export import export_checkpoint
 
-    common = ["train.num_steps=20", "checkpoint.every=10", "checkpoint.keep_last=5"]
+    common = ["train.num_steps=20", "checkpoint.every=10", "checkpoint.keep_last=5", "train.eval_every=10",
+              "train.eval_steps=2"]
     ep_run, dp_run, resumed = tmp_path / "ep2", tmp_path / "dp", tmp_path / "resumed"
     for d in (ep_run, dp_run, resumed):
         d.mkdir()
@@ -150,6 +162,8 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
     assert sorted(ep_losses) == list(range(1, 21)) and ep_losses[20] < ep_losses[1]
     for s in ep_losses:
         assert ep_losses[s] == pytest.approx(dp_losses[s], rel=1e-4), s
+    ep_eval, dp_eval = _evals(ep_run), _evals(dp_run)  # evaluation runs every forward in lockstep
+    assert sorted(ep_eval) == [0, 10, 20] and all(ep_eval[s] == pytest.approx(dp_eval[s], rel=1e-4) for s in ep_eval)
 
     # the EP 2 checkpoint of step 10 resumes with expert_parallel=1 (full checkpoint, resliced)
     _accelerate("fit", resumed, *common, f"checkpoint.resume={ep_run / 'checkpoints' / 'step_00000010'}")
