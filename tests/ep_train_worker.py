@@ -114,6 +114,9 @@ def _full_state(trainer, model):
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     mode, out, *overrides = sys.argv[1:]
     {"fit": fit, "step": step}[mode](out, overrides)
     import torch.distributed as dist

@@ -25,7 +25,7 @@ def _env():
     return env
 
 
-def run_torchrun(cmd, timeout=240) -> None:
+def run_torchrun(cmd, timeout=240) -> str:
     """Run a launcher; on a timeout kill its whole process group (the ranks too), then fail."""
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -36,6 +36,7 @@ def run_torchrun(cmd, timeout=240) -> None:
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout}s:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-6000:]
+    return out
 
 
 def test_config_rejects_expert_parallel_that_does_not_divide_the_experts():
@@ -102,11 +103,11 @@ TRAIN_WORKER = Path(__file__).with_name("ep_train_worker.py")
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 
-def _accelerate(mode: str, out: Path, *overrides: str) -> None:
+def _accelerate(mode: str, out: Path, *overrides: str) -> str:
     from omniloom.pretrain.config import presets_dir
 
     cpu_2proc = presets_dir() / "accelerate" / "cpu_2proc.yaml"
-    run_torchrun([str(ACCELERATE), "launch", "--config_file", str(cpu_2proc), str(TRAIN_WORKER), mode, str(out),
+    return run_torchrun([str(ACCELERATE), "launch", "--config_file", str(cpu_2proc), str(TRAIN_WORKER), mode, str(out),
                   *overrides])
 
 
@@ -149,7 +150,10 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
     ep_run, dp_run, resumed = tmp_path / "ep2", tmp_path / "dp", tmp_path / "resumed"
     for d in (ep_run, dp_run, resumed):
         d.mkdir()
-    _accelerate("fit", ep_run, *common, "model.moe.expert_parallel=2")
+    log = _accelerate("fit", ep_run, *common, "model.moe.expert_parallel=2")
+    # the start line gives this rank's share of the experts
+    assert "expert parallel 2 x 1 replicas: this rank holds experts [0, 2) of 4 per MoE layer, 6,144 expert " \
+           "parameters (12,288 unsharded, 1/2)" in log, log[-3000:]
     _accelerate("fit", dp_run, *common)
     info = [json.loads((ep_run / f"result_rank{r}.json").read_text()) for r in (0, 1)]
     dp_info = json.loads((dp_run / "result_rank0.json").read_text())
