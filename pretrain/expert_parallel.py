@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import logging
 import math
+import time
 from typing import Callable, Iterable
 
 import torch
@@ -37,6 +38,33 @@ log = logging.getLogger(__name__)
 EXPERT_PARAM_NAMES = ("w_gate", "w_up", "w_down")
 
 
+class _ExchangeTimer:
+    """Wall time of the all_to_all calls while `enabled` (for pretrain/bench_ep.py); synchronises
+    CUDA around each call when asked, so the time includes waiting for the other ranks."""
+
+    def __init__(self):
+        self.enabled, self.sync, self.seconds = False, False, 0.0
+
+    def reset(self, sync: bool = False) -> None:
+        self.enabled, self.sync, self.seconds = True, sync, 0.0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        if not self.enabled:
+            yield
+            return
+        if self.sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if self.sync:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - t0
+
+
+EXCHANGE_TIMER = _ExchangeTimer()
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single of rows with uneven splits; backward sends the gradients back the other way."""
 
@@ -44,13 +72,15 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x_RD, out_splits, in_splits, group):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
         out = x_RD.new_empty((sum(out_splits), *x_RD.shape[1:]))
-        dist.all_to_all_single(out, x_RD.contiguous(), out_splits, in_splits, group=group)
+        with EXCHANGE_TIMER():
+            dist.all_to_all_single(out, x_RD.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, g_RD):
         out = g_RD.new_empty((sum(ctx.in_splits), *g_RD.shape[1:]))
-        dist.all_to_all_single(out, g_RD.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        with EXCHANGE_TIMER():
+            dist.all_to_all_single(out, g_RD.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         return out, None, None, None
 
 
@@ -111,8 +141,9 @@ class ExpertParallel:
         assert counts_E.numel() == E, (counts_E.shape, E)
         # counts first: rank s learns how many rows of each of its experts every rank sends it
         recv_counts = torch.empty_like(counts_E)
-        dist.all_to_all_single(recv_counts, counts_E.contiguous(), group=self.group)
-        both = torch.cat([counts_E, recv_counts]).tolist()  # the one host read per layer and step
+        with EXCHANGE_TIMER():
+            dist.all_to_all_single(recv_counts, counts_E.contiguous(), group=self.group)
+            both = torch.cat([counts_E, recv_counts]).tolist()  # the one host read per layer and step
         send_c, recv_c = both[:E], both[E:]  # send_c by expert; recv_c by (source rank, local expert)
         in_splits = [sum(send_c[r * El:(r + 1) * El]) for r in range(N)]
         out_splits = [sum(recv_c[s * El:(s + 1) * El]) for s in range(N)]

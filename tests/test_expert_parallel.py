@@ -205,3 +205,13 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
     cfg_dp = json.loads((tmp_path / "export_dp" / "config.json").read_text())
     assert cfg_ep["model"] == cfg_dp["model"] and cfg_ep["model"]["moe"]["expert_parallel"] == 1
     assert cfg_ep["num_params"] == cfg_dp["num_params"]
+
+
+@pytest.mark.slow
+def test_bench_ep_prints_tokens_per_process_with_and_without_ep():
+    cmd = [sys.executable, "-m", "omniloom.pretrain.bench_ep", "--worlds", "2", "--global-batch", "2", "--steps", "1",
+           "--warmup", "1", "data.seq_len=64"]
+    out = run_torchrun(cmd)
+    lines = [ln for ln in out.splitlines() if ln.startswith("world 2")]
+    assert len(lines) == 2 and "expert_parallel 1:" in lines[0] and "expert_parallel 2:" in lines[1], out[-2000:]
+    assert all("tokens/s per process" in ln and "exchange" in ln for ln in lines)
