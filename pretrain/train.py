@@ -422,7 +422,6 @@ class Trainer:
         log.info("eval at step %d: %s", self.step, {k: round(v, 4) for k, v in out.items()})
         return out
 
-
     def _lockstep(self, loader):
         """The loader's batches; with expert parallelism every forward is collective, so all ranks
         stop at the first batch some rank does not have (one tiny all-reduce per batch)."""

@@ -9,7 +9,6 @@ trainer tests. Launched with `accelerate launch --config_file configs/accelerate
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
 import os
