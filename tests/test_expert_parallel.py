@@ -103,12 +103,12 @@ TRAIN_WORKER = Path(__file__).with_name("ep_train_worker.py")
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 
-def _accelerate(mode: str, out: Path, *overrides: str) -> str:
+def _accelerate(mode: str, out: Path, *overrides: str, nproc: int = 2) -> str:
     from omniloom.pretrain.config import presets_dir
 
     cpu_2proc = presets_dir() / "accelerate" / "cpu_2proc.yaml"
-    return run_torchrun([str(ACCELERATE), "launch", "--config_file", str(cpu_2proc), str(TRAIN_WORKER), mode, str(out),
-                  *overrides])
+    return run_torchrun([str(ACCELERATE), "launch", "--config_file", str(cpu_2proc), "--num_processes", str(nproc),
+                         str(TRAIN_WORKER), mode, str(out), *overrides])
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -124,14 +124,15 @@ def _evals(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["train.activation_checkpointing=true"]])
-def test_trainer_step_with_ep2_equals_one_process_model(tmp_path, extra):
+@pytest.mark.parametrize("nproc,extra", [(2, []), (2, ["train.activation_checkpointing=true"]), (4, [])])
+def test_trainer_step_with_ep2_equals_one_process_model(tmp_path, nproc, extra):
     """Trainer._train_step under DDP with expert parallelism (2 micro-batches, uneven labels,
     clipping on): loss, every gradient after the expert sync and the global-norm clip, and the
     gradient norm equal a 1-process model's on the global batch. With activation checkpointing
-    the exchange runs again in backward's recomputation. (train.compile=true passes too, checked
-    by hand: a minute of CPU compilation.)"""
-    _accelerate("step", tmp_path, "model.moe.expert_parallel=2", "optim.grad_clip=0.5", *extra)
+    the exchange runs again in backward's recomputation; with 4 processes (EP 2 x DP 2) the expert
+    shards are also averaged over their replica group. (train.compile=true passes too, checked by
+    hand: a minute of CPU compilation.)"""
+    _accelerate("step", tmp_path, "model.moe.expert_parallel=2", "optim.grad_clip=0.5", *extra, nproc=nproc)
     res = json.loads((tmp_path / "step.json").read_text())
     assert res["clip_scale"] < 1, res  # the clip did act
     assert res["err"] < 1e-5, res
