@@ -50,7 +50,10 @@ class MoEConfig:
     dense. Balancing: a per-expert bias added to the scores only to choose the top-k, moved by
     `bias_update_rate` after each optimizer step (`OmniModel.update_router_biases`).
     `modality_groups`: text/code/special tokens route among the first experts, image/video
-    tokens among the last `num_visual_experts` (0: half of them)."""
+    tokens among the last `num_visual_experts` (0: half of them).
+    `expert_parallel`: split the routed experts of every MoE layer over this many ranks (an expert
+    group; it must divide `num_experts` and the world size). The model itself stays single-device:
+    `omniloom.pretrain.expert_parallel.parallelize_experts` shards a built model; 1 changes nothing."""
 
     num_experts: int = 8
     num_experts_per_token: int = 2
@@ -65,6 +68,7 @@ class MoEConfig:
     modality_groups: bool = False
     num_visual_experts: int = 0
     dispatch: Literal["auto", "grouped", "loop"] = "auto"  # auto: grouped matmul where it works, loop otherwise
+    expert_parallel: int = 1
 
 
 @dataclass(kw_only=True)
@@ -149,6 +153,15 @@ class ModelConfig:
                     )
             if moe.expert_dim < 1:
                 raise ValueError("model.moe.expert_dim must be >= 1")
+        if moe.expert_parallel < 1:
+            raise ValueError(f"model.moe.expert_parallel must be >= 1, got {moe.expert_parallel}")
+        if moe.expert_parallel > 1:
+            if moe.num_experts == 0 or self.num_moe_layers == 0:
+                raise ValueError("model.moe.expert_parallel > 1 needs MoE layers: set model.moe.num_experts "
+                                 "(and num_dense_layers < num_layers) or expert_parallel=1")
+            if moe.num_experts % moe.expert_parallel:
+                raise ValueError(f"model.moe.expert_parallel={moe.expert_parallel} must divide model.moe.num_experts="
+                                 f"{moe.num_experts} (each rank of an expert group holds the same number of experts)")
         if moe.num_dense_layers and moe.dense_dim < 1 or (moe.num_experts == 0 and moe.dense_dim < 1):
             raise ValueError("model.moe.dense_dim must be >= 1 for dense layers")
 

@@ -102,6 +102,10 @@ class MoE(nn.Module):
                 "use dispatch=auto or loop"
             )
         self._use_grouped: dict[str, bool] = {}  # per device type, decided on first use
+        # Expert parallelism (issue 16): pretrain/ shards w_gate/w_up/w_down to this rank's experts
+        # and sets a dispatcher `(x_ND, counts_E, run_experts) -> y_ND` that sends the expert-sorted
+        # rows to the ranks owning their experts and brings the results back. None: all experts here.
+        self.expert_dispatcher = None
 
     def use_grouped(self, device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
         """Grouped matmul or per-expert loop; decided once per (device, dtype) from what torch's
@@ -121,6 +125,13 @@ class MoE(nn.Module):
             # on the tiny test model, 0.75-0.93x at dim 128 x 16 experts: see omniloom bench model)
             self._use_grouped[key] = ok
         return self._use_grouped[key]
+
+    def run_experts(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """The experts this module holds (all of them, or this rank's shard under expert
+        parallelism) over rows sorted by expert; `counts_E` has one entry per expert held."""
+        if self.use_grouped(x_ND.device, self._compute_dtype(x_ND)):
+            return self.experts_grouped(x_ND, counts_E)
+        return self.experts_loop(x_ND, counts_E)
 
     def experts_grouped(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """All experts in one grouped matmul per projection over the expert-sorted rows."""
@@ -178,10 +189,10 @@ class MoE(nn.Module):
         modality_T = modality_BS.reshape(-1).long()
         topk_idx_TK, w_TK, logits_TE, probs_TE = self.route(x_TD, modality_T)
         x_ND, perm_N, counts_E = self.ops.moe_permute(x_TD, topk_idx_TK, E)
-        if self.use_grouped(x_TD.device, self._compute_dtype(x_ND)):
-            y_ND = self.experts_grouped(x_ND, counts_E)
+        if self.expert_dispatcher is None:
+            y_ND = self.run_experts(x_ND, counts_E)
         else:
-            y_ND = self.experts_loop(x_ND, counts_E)
+            y_ND = self.expert_dispatcher(x_ND, counts_E, self.run_experts)
         y_TD = self.ops.moe_unpermute(y_ND, perm_N, w_TK).to(x_TD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)

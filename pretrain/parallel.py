@@ -1,5 +1,6 @@
 """Everything that changes how a finished single-device model executes, applied in one place
-(DESIGN 3.1): activation checkpointing, then torch.compile, per transformer block. Data parallelism
+(DESIGN 3.1): expert parallelism (pretrain/expert_parallel.py), then activation checkpointing,
+then torch.compile, per transformer block. Data parallelism
 and FSDP2 sharding come after, from `accelerator.prepare` and the accelerate config file
 (`configs/accelerate/fsdp2.yaml` wraps the same transformer blocks). Also: deterministic mode.
 
@@ -69,9 +70,19 @@ def apply_compile(model: torch.nn.Module) -> int:
     return len(blocks)
 
 
-def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator) -> torch.nn.Module:
-    """Apply activation checkpointing and compile per `train_cfg`, then hand the model to the
-    caller, who passes it to `accelerator.prepare` (DDP or FSDP2 from the accelerate config)."""
+def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator, *, expert_parallel: int = 1) -> torch.nn.Module:
+    """Shard the routed experts over expert groups (`expert_parallel` > 1, collective), apply
+    activation checkpointing and compile per `train_cfg`, then hand the model to the caller, who
+    passes it to `accelerator.prepare` (DDP or FSDP2 from the accelerate config). The expert plan,
+    when there is one, is `expert_parallel.find_plan(model)`."""
+    if expert_parallel > 1:
+        from .expert_parallel import check_expert_parallel, parallelize_experts
+
+        num_experts = getattr(getattr(getattr(model, "cfg", None), "moe", None), "num_experts", expert_parallel)
+        check_expert_parallel(expert_parallel, accelerator.num_processes, num_experts,
+                              distributed_type=str(getattr(accelerator, "distributed_type", "")))
+        plan = parallelize_experts(model, expert_parallel)
+        log.info("%s", plan.describe())
     if train_cfg.activation_checkpointing:
         n = apply_activation_checkpointing(model)
         log.info("activation checkpointing on %d blocks", n)

@@ -33,6 +33,7 @@ from .config_io import to_dict
 from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector
 from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
 from .optim import build_optimizer, build_scheduler
+from .expert_parallel import find_plan
 from .parallel import apply_parallelism, seed_everything, set_deterministic
 from .threads import configure_threads
 
@@ -109,8 +110,14 @@ class Trainer:
         seed_everything(cfg.train.seed)
         model = build_model(cfg)
         self.flops_per_token = B.model_flops_per_token(model, cfg.data.seq_len)
-        model = apply_parallelism(model, cfg.train, self.acc).to(self.device)
+        model = apply_parallelism(model, cfg.train, self.acc, expert_parallel=cfg.model.moe.expert_parallel)
+        self.ep = find_plan(model)  # the expert-parallel plan, None without expert parallelism
+        model = model.to(self.device)
+        log.info("model: %s parameters on this rank%s", f"{sum(p.numel() for p in model.parameters()):,}",
+                 f"; {self.ep.describe()}" if self.ep is not None else "")
         optimizer = build_optimizer(model, cfg.optim)
+        if self.ep is not None:
+            self.ep.attach_optimizer(optimizer)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.num_steps)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.acc, cfg.checkpoint.keep_last)
@@ -255,8 +262,7 @@ class Trainer:
             if st.expert_counts_LME is not None:
                 counts_LME = st.expert_counts_LME if counts_LME is None else counts_LME + st.expert_counts_LME
         with self.timer.phase("optimizer"):
-            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            grad_norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+            grad_norm = self._clip_gradients()
             acc_vec[_STOP] = 1.0 if self.shutdown.requested else 0.0
             reduced = acc.reduce(acc_vec, reduction="sum")
             if counts_LME is not None:
@@ -264,6 +270,17 @@ class Trainer:
         # the gradient norm travels with the step vector: one device-to-host read per step
         norm = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(float("nan") if grad_norm is None else grad_norm)
         return torch.cat([reduced, norm.detach().float().reshape(1).to(reduced.device)]), counts_LME
+
+    def _clip_gradients(self) -> torch.Tensor | float | None:
+        """Clip by the global gradient norm and return it. With expert parallelism the expert
+        shards' gradients are first averaged over their replica group (DDP averages the rest)
+        and the norm adds up the shards of the expert group."""
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        if self.ep is None:
+            return self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.ep.sync_grads()
+        self.acc.unscale_gradients()  # fp16 loss scaling; a no-op otherwise
+        return self.ep.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def _next_batch(self):
         """(batch on the device, its host-side attention layout or None, labelled tokens).
@@ -375,8 +392,12 @@ class Trainer:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen,
                          "scheduler": self.scheduler.state_dict(), "guard": self.guard.state_dict(),
                          "spikes": {k: d.state_dict() for k, d in self.spikes.items()}}
-        path = self.ckpt.save(self.step, trainer_state=trainer_state, data_state=self._data_state if self._data_state is not None else self.train_loader.state_dict(),
-                              config_yaml=to_yaml(self.cfg))
+        # with expert parallelism the checkpoint holds the full, unsharded model and optimizer
+        # (gathered, collective), so it resumes with any expert-parallel degree and exports as is
+        full = self.ep.full_state_dict() if self.ep is not None else contextlib.nullcontext()
+        with full:
+            path = self.ckpt.save(self.step, trainer_state=trainer_state, data_state=self._data_state if self._data_state is not None else self.train_loader.state_dict(),
+                                  config_yaml=to_yaml(self.cfg))
         self.last_checkpoint = str(path)
 
     def _load_data_states(self, states: list) -> None:
@@ -415,7 +436,7 @@ class Trainer:
             self.model.eval()
             m = B.NUM_MODALITIES
             vec = torch.zeros(2 * m + 2, device=self.device)
-            for i, batch in enumerate(loader):
+            for i, batch in enumerate(self._lockstep(loader)):
                 if i >= self.cfg.train.eval_steps:
                     break
                 model = self.acc.unwrap_model(self.model)
@@ -432,6 +453,20 @@ class Trainer:
             out["eval/loss"] = float(vec[-2] / vec[-1])
         log.info("eval at step %d: %s", self.step, {k: round(v, 4) for k, v in out.items()})
         return out
+
+    def _lockstep(self, loader):
+        """The loader's batches; with expert parallelism every forward is collective, so all ranks
+        stop at the first batch some rank does not have (one tiny all-reduce per batch)."""
+        if self.ep is None:
+            yield from loader
+            return
+        it = iter(loader)
+        while True:
+            batch = next(it, None)
+            have = torch.tensor([0.0 if batch is None else 1.0], device=self.device)
+            if float(self.acc.reduce(have, reduction="sum")) < self.acc.num_processes:
+                return
+            yield batch
 
 
 class _Window:

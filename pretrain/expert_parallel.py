@@ -1,0 +1,358 @@
+"""Expert parallelism (issue 16): the routed experts of every MoE layer split over the ranks of an
+expert group, tokens exchanged with `all_to_all_single`. The only place that communicates for it.
+
+Legend: W world size, N ranks per expert group (`model.moe.expert_parallel`), R = W / N replicas
+of each expert shard, E experts per layer, El = E / N experts per rank, D width, rows = routed
+(token, expert) pairs sorted by expert (what `moe_permute` gives).
+
+Layout: rank w is rank `w % N` of expert group `w // N` (consecutive ranks, so one group sits on
+one node's fast links) and holds experts [(w % N) * El, (w % N + 1) * El) of every MoE layer. The
+ranks holding the same shard, {w % N, w % N + N, ...}, form its replica group. Everything else
+(attention, embeddings, router, shared experts, dense layers) stays data-parallel.
+
+Per MoE layer and forward: one all_to_all of the per-expert counts, one host read of the split
+sizes (inherent to all_to_all_single), one all_to_all of the rows there and one back; backward
+runs the two row exchanges in reverse with the same splits (no further host read).
+
+Gradients: the expert shard's gradient on a rank already sums the contributions of every token
+its expert group routed to it. `ExpertParallel.sync_grads` sums it over the replica group and
+divides by W, which is exactly what DDP's averaging does to the data-parallel parameters (the
+trainer scales each rank's loss by W). `clip_grad_norm_` clips by the global norm.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import math
+import time
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+EXPERT_PARAM_NAMES = ("w_gate", "w_up", "w_down")
+
+
+class _ExchangeTimer:
+    """Wall time of the all_to_all calls while `enabled` (for pretrain/bench_ep.py); synchronises
+    CUDA around each call when asked, so the time includes waiting for the other ranks."""
+
+    def __init__(self):
+        self.enabled, self.sync, self.seconds = False, False, 0.0
+
+    def reset(self, sync: bool = False) -> None:
+        self.enabled, self.sync, self.seconds = True, sync, 0.0
+
+    @contextlib.contextmanager
+    def __call__(self):
+        if not self.enabled:
+            yield
+            return
+        if self.sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if self.sync:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - t0
+
+
+EXCHANGE_TIMER = _ExchangeTimer()
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with uneven splits; backward sends the gradients back the other way."""
+
+    @staticmethod
+    def forward(ctx, x_RD, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x_RD.new_empty((sum(out_splits), *x_RD.shape[1:]))
+        with EXCHANGE_TIMER():
+            dist.all_to_all_single(out, x_RD.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        out = g_RD.new_empty((sum(ctx.in_splits), *g_RD.shape[1:]))
+        with EXCHANGE_TIMER():
+            dist.all_to_all_single(out, g_RD.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return out, None, None, None
+
+
+def is_moe_module(module: nn.Module) -> bool:
+    """A routed-expert layer (omniloom.model.moe.MoE or anything shaped like it)."""
+    return hasattr(module, "expert_dispatcher") and all(isinstance(getattr(module, n, None), nn.Parameter)
+                                                        for n in EXPERT_PARAM_NAMES)
+
+
+def check_expert_parallel(ep_size: int, world_size: int, num_experts: int, *, distributed_type: str = "") -> None:
+    """ValueError with what to change when `model.moe.expert_parallel` cannot run on this launch."""
+    if ep_size < 1:
+        raise ValueError(f"model.moe.expert_parallel must be >= 1, got {ep_size}")
+    if ep_size == 1:
+        return
+    if world_size % ep_size:
+        raise ValueError(f"model.moe.expert_parallel={ep_size} must divide the number of processes ({world_size}); "
+                         f"launch with --num_processes a multiple of {ep_size} or lower model.moe.expert_parallel")
+    if num_experts % ep_size:
+        raise ValueError(f"model.moe.expert_parallel={ep_size} must divide model.moe.num_experts={num_experts}")
+    if "FSDP" in distributed_type or "DEEPSPEED" in distributed_type or "MEGATRON" in distributed_type:
+        raise ValueError(f"model.moe.expert_parallel={ep_size} runs with DDP (configs/accelerate/multi_gpu.yaml, "
+                         f"ep_8gpu.yaml) only; {distributed_type} with expert parallelism is not supported yet")
+
+
+def expert_group_ranks(world_size: int, ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert groups, replica groups) as lists of global ranks (see the module docstring)."""
+    groups = [list(range(g * ep_size, (g + 1) * ep_size)) for g in range(world_size // ep_size)]
+    replicas = [list(range(r, world_size, ep_size)) for r in range(ep_size)]
+    return groups, replicas
+
+
+class ExpertParallel:
+    """The communication of expert parallelism: the dispatcher every MoE layer calls, the expert
+    gradient sync and the global-norm clipping. Build with `parallelize_experts`."""
+
+    def __init__(self, *, ep_size: int, rank: int, world_size: int, num_experts: int,
+                 group, replica_group, expert_params: dict[str, nn.Parameter]):
+        self.size, self.rank, self.world_size = ep_size, rank, world_size
+        self.ep_rank = rank % ep_size
+        self.num_experts, self.num_local = num_experts, num_experts // ep_size
+        self.group, self.replica_group = group, replica_group
+        self.num_replicas = world_size // ep_size
+        self.expert_params = expert_params  # qualified name -> this rank's shard
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        """[first, last) expert index this rank holds in every MoE layer."""
+        return self.ep_rank * self.num_local, (self.ep_rank + 1) * self.num_local
+
+    # ---- the dispatcher the MoE layers call ------------------------------------------------
+    @torch.compiler.disable  # communication and a host read: compiled blocks run it eagerly, between graphs
+    def __call__(self, x_ND: torch.Tensor, counts_E: torch.Tensor,
+                 run_experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Rows sorted by expert (all E experts) -> the experts' outputs in the same order, the
+        rows of experts held elsewhere computed on their owners."""
+        N, El, E = self.size, self.num_local, self.num_experts
+        assert counts_E.numel() == E, (counts_E.shape, E)
+        # counts first: rank s learns how many rows of each of its experts every rank sends it
+        recv_counts = torch.empty_like(counts_E)
+        with EXCHANGE_TIMER():
+            dist.all_to_all_single(recv_counts, counts_E.contiguous(), group=self.group)
+            both = torch.cat([counts_E, recv_counts]).tolist()  # the one host read per layer and step
+        send_c, recv_c = both[:E], both[E:]  # send_c by expert; recv_c by (source rank, local expert)
+        in_splits = [sum(send_c[r * El:(r + 1) * El]) for r in range(N)]
+        out_splits = [sum(recv_c[s * El:(s + 1) * El]) for s in range(N)]
+        x_recv = _AllToAll.apply(x_ND, out_splits, in_splits, self.group)
+        counts_local = recv_counts.view(N, El).sum(0)
+        if El == 1:  # rows already grouped by the single local expert
+            y_recv = run_experts(x_recv, counts_local)
+        else:
+            # (source, expert) chunks -> (expert, source): each local expert's rows contiguous
+            chunks = x_recv.split(recv_c)
+            by_expert = [s * El + e for e in range(El) for s in range(N)]
+            y_local = run_experts(torch.cat([chunks[i] for i in by_expert]), counts_local)
+            y_chunks = y_local.split([recv_c[i] for i in by_expert])
+            y_recv = torch.cat([y_chunks[e * N + s] for s in range(N) for e in range(El)])
+        return _AllToAll.apply(y_recv, in_splits, out_splits, self.group)
+
+    def close(self) -> None:
+        """Destroy this plan's process groups (at exit; idempotent)."""
+        for g in {self.group, self.replica_group} - {None}:
+            with contextlib.suppress(Exception):  # already gone with the default group
+                dist.destroy_process_group(g)
+        self.group = self.replica_group = None
+
+    # ---- gradients ---------------------------------------------------------------------------
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.expert_params.values() if p.grad is not None]
+
+    @torch.no_grad()
+    def sync_grads(self) -> None:
+        """Average the expert gradients as DDP averages the others: sum over the replica group
+        (the ranks holding the same shard), divide by the world size. Call after the last
+        backward of a step, before clipping."""
+        grads = self.grads()
+        if not grads:
+            return
+        if self.num_replicas > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.replica_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        torch._foreach_div_(grads, float(self.world_size))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip every gradient by the global L2 norm (data-parallel gradients are the same on every
+        rank; expert shards add up over the expert group). Returns the norm before clipping, as
+        torch.nn.utils.clip_grad_norm_ does."""
+        expert_ids = {id(p) for p in self.expert_params.values()}
+        dense, expert = [], []
+        for p in parameters:
+            if p.grad is not None:
+                (expert if id(p) in expert_ids else dense).append(p.grad)
+        ref = (dense or expert)[0]
+        sq = torch.zeros(2, dtype=torch.float32, device=ref.device)
+        for i, gs in enumerate((dense, expert)):
+            if gs:
+                sq[i] = torch.stack([n.float() for n in torch._foreach_norm(gs)]).pow(2).sum()
+        expert_sq = sq[1:2].clone()
+        dist.all_reduce(expert_sq, group=self.group)
+        total = (sq[0] + expert_sq[0]).sqrt()
+        if math.isfinite(max_norm):
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(dense + expert, coef.to(ref.dtype))
+        return total
+
+    # ---- checkpoints: full (unsharded) state dicts ----------------------------------------------
+    @contextlib.contextmanager
+    def full_state_dict(self):
+        """Inside, `model.state_dict()` and the attached optimizer's `state_dict()` hold every
+        expert (gathered over the expert group, one layer at a time, onto the CPU): collective,
+        every rank must take them in the same order (accelerate's save_state does). Outside they
+        hold this rank's shard. Loading takes either: a full tensor is sliced to this rank's shard,
+        so a checkpoint resumes with any expert-parallel degree, and export reads it as is."""
+        self._gather = True
+        try:
+            yield
+        finally:
+            self._gather = False
+
+    _gather = False
+
+    def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(shard) for _ in range(self.size)]
+        dist.all_gather(parts, shard.contiguous(), group=self.group)
+        return torch.cat(parts).cpu()
+
+    def _to_shard(self, t: torch.Tensor, local_shape) -> torch.Tensor:
+        lo, hi = self.expert_range
+        if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] == self.num_experts and tuple(t.shape[1:]) == tuple(local_shape[1:]) \
+                and local_shape[0] == self.num_local and self.num_local != self.num_experts:
+            return t[lo:hi]
+        return t
+
+    def _module_state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        if self._gather:
+            for n in EXPERT_PARAM_NAMES:
+                if prefix + n in state_dict:
+                    state_dict[prefix + n] = self._gather_full(state_dict[prefix + n])
+
+    def _module_load_hook(self, module, state_dict, prefix, *args):
+        for n in EXPERT_PARAM_NAMES:
+            if prefix + n in state_dict:
+                state_dict[prefix + n] = self._to_shard(state_dict[prefix + n], getattr(module, n).shape)
+
+    def _expert_indices(self, optimizer) -> dict[int, nn.Parameter]:
+        """Optimizer state-dict index -> expert parameter (torch numbers parameters across the
+        groups in order)."""
+        expert_ids = {id(p) for p in self.expert_params.values()}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        return {i: p for i, p in enumerate(params) if id(p) in expert_ids}
+
+    def _optimizer_state_dict_hook(self, optimizer, state_dict):
+        if not self._gather:
+            return None
+        state = dict(state_dict["state"])
+        for i, p in sorted(self._expert_indices(optimizer).items()):
+            if i in state:  # copies: the packed state shares its per-parameter dicts with the live optimizer
+                state[i] = {k: self._gather_full(v) if torch.is_tensor(v) and v.shape == p.shape else v
+                            for k, v in state[i].items()}
+        return {**state_dict, "state": state}
+
+    def _optimizer_load_hook(self, optimizer, state_dict):
+        state = dict(state_dict["state"])
+        for i, p in self._expert_indices(optimizer).items():
+            if i in state:
+                state[i] = {k: self._to_shard(v, p.shape) for k, v in state[i].items()}
+        return {**state_dict, "state": state}
+
+    def attach_optimizer(self, optimizer) -> None:
+        """Full/sliced expert moments in `optimizer`'s state dicts, as for the model's."""
+        optimizer.register_state_dict_post_hook(lambda *a: self._optimizer_state_dict_hook(*a))
+        optimizer.register_load_state_dict_pre_hook(lambda *a: self._optimizer_load_hook(*a))
+
+    # ---- accounting --------------------------------------------------------------------------
+    def expert_numel(self) -> int:
+        """Expert parameters held by this rank."""
+        return sum(p.numel() for p in self.expert_params.values())
+
+    def describe(self) -> str:
+        lo, hi = self.expert_range
+        n = self.expert_numel()
+        return (f"expert parallel {self.size} x {self.num_replicas} replicas: this rank holds experts [{lo}, {hi}) "
+                f"of {self.num_experts} per MoE layer, {n:,} expert parameters "
+                f"({n * self.size:,} unsharded, 1/{self.size})")
+
+
+def parallelize_experts(model: nn.Module, ep_size: int, *, rank: int | None = None,
+                        world_size: int | None = None) -> ExpertParallel | None:
+    """Shard the routed experts of every MoE layer of a built model over expert groups of
+    `ep_size` ranks and attach the dispatcher. Collective (creates process groups): every rank
+    calls it, after building the same model (same seed) and before wrapping it in DDP. Returns
+    None for ep_size 1 (nothing changes)."""
+    if ep_size == 1:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"model.moe.expert_parallel={ep_size} needs several processes: launch with accelerate "
+                         f"launch / omniloom launch and --num_processes a multiple of {ep_size}")
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
+    moe_modules = [(name, m) for name, m in model.named_modules() if is_moe_module(m)]
+    if not moe_modules:
+        raise ValueError("model.moe.expert_parallel > 1 but the model has no MoE layers")
+    num_experts = moe_modules[0][1].w_gate.shape[0]
+    check_expert_parallel(ep_size, world_size, num_experts)
+    groups, replicas = expert_group_ranks(world_size, ep_size)
+    # every rank creates every group, in the same order (new_group is collective)
+    my_group = my_replica = None
+    for ranks in groups:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            my_group = g
+    for ranks in replicas:
+        g = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            my_replica = g
+    ep_rank, El = rank % ep_size, num_experts // ep_size
+    lo, hi = ep_rank * El, (ep_rank + 1) * El
+    expert_params: dict[str, nn.Parameter] = {}
+    for prefix, moe in moe_modules:
+        if moe.w_gate.shape[0] != num_experts:
+            raise ValueError(f"{prefix} has {moe.w_gate.shape[0]} experts, the first MoE layer {num_experts}")
+        for n in EXPERT_PARAM_NAMES:
+            shard = nn.Parameter(getattr(moe, n).detach()[lo:hi].clone(), requires_grad=getattr(moe, n).requires_grad)
+            setattr(moe, n, shard)
+            expert_params[f"{prefix}.{n}" if prefix else n] = shard
+        moe.expert_range = (lo, hi)  # for checkpoint and export code that reads the module
+    plan = ExpertParallel(ep_size=ep_size, rank=rank, world_size=world_size, num_experts=num_experts,
+                          group=my_group, replica_group=my_replica, expert_params=expert_params)
+    # gloo subgroups left to the interpreter's teardown can abort the process at exit ("terminate
+    # called without an active exception"): destroy them first
+    atexit.register(plan.close)
+    for _, moe in moe_modules:
+        moe.expert_dispatcher = plan
+        # torch tags hooks with an attribute: plain functions, not bound methods
+        moe.register_state_dict_post_hook(lambda *a: plan._module_state_dict_hook(*a))
+        moe.register_load_state_dict_pre_hook(lambda *a: plan._module_load_hook(*a))
+    # DDP must neither broadcast the shards from rank 0 at wrap time nor average them over every rank
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(expert_params))
+    return plan
+
+
+def find_plan(model: nn.Module) -> ExpertParallel | None:
+    """The ExpertParallel a model was parallelized with (through any wrapper), or None."""
+    for m in model.modules():
+        plan = getattr(m, "expert_dispatcher", None)
+        if isinstance(plan, ExpertParallel):
+            return plan
+    return None
