@@ -26,7 +26,9 @@ MODEL = ["model.dim=32", "model.num_layers=3", "model.num_heads=4", "model.num_k
          "model.attention.pattern=LG", "model.attention.window=8", "model.moe.num_experts=4",
          "model.moe.num_experts_per_token=2", "model.moe.expert_dim=16", "model.moe.dense_dim=32",
          "model.moe.num_dense_layers=1", "optim.lr=3e-3",
-         "model.vocab_size=65", "model.patch_token_id=64"]  # a patch id the stand-in tokens never use
+         # the vocabulary of tokenizers.testing.make_tiny_tokenizer (the export part needs a real
+         # tokenizer); a patch id the stand-in tokens (< 64) never use
+         "model.vocab_size=512", "model.patch_token_id=511"]
 
 
 def build_model(cfg):

@@ -190,10 +190,10 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
 
     # export of the EP checkpoint: the full model, equal to the gathered weights and to the
     # export of the same run without EP
-    tok = tmp_path / "tok"  # export checks only the vocabulary size and copies the files
-    tok.mkdir()
-    (tok / "tokenizer.json").write_text('{"vocab_size": 65}')
-    (tok / "tokenizer.model").write_bytes(b"stand-in")
+    from omniloom.tokenizers.testing import make_tiny_tokenizer
+
+    tok = tmp_path / "tok"  # export loads (and hash-checks) a real tokenizer of the model's vocabulary
+    make_tiny_tokenizer(tok, vocab_size=512)
     export_checkpoint(ep_run, tmp_path / "export_ep", tokenizer=tok)
     export_checkpoint(dp_run, tmp_path / "export_dp", tokenizer=tok)
     a = load_file(tmp_path / "export_ep" / "model.safetensors")
