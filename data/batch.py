@@ -1,4 +1,4 @@
-"""PackedBatch (DESIGN 2.3): the one contract between the data stream and the model.
+"""PackedBatch (docs/data-format.md section 5): the one contract between the data stream and the model.
 
 Legend: B rows, S seq_len, P patch positions in the batch, D patch dim (common, see below).
 

@@ -1,4 +1,4 @@
-"""`omniloom data build|merge|inspect|stats|verify` and `omniloom bench data` (data prep, DESIGN 2.1).
+"""`omniloom data build|merge|inspect|stats|verify` and `omniloom bench data` (data prep, docs/data-format.md section 1).
 
 Heavy imports (PIL, av, tqdm) happen inside the handlers so `omniloom --help` stays fast.
 """

@@ -1,4 +1,4 @@
-"""Data-stream configuration (DESIGN 2.3): shard sets with mixture weights, packing and loader sizes.
+"""Data-stream configuration (docs/data-format.md section 5): shard sets with mixture weights, packing and loader sizes.
 
 A source names one shard set. How `path` / `manifest` are resolved (see data/reader.py):
 

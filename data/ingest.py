@@ -1,5 +1,5 @@
 """Ingest for `omniloom data build`: discover inputs, and turn one input unit into one validated
-document (DESIGN 2.1) with its media bytes, or into rejects.
+document (docs/data-format.md section 1) with its media bytes, or into rejects.
 
 Discovery is single-process and cheap (a directory walk, plus a parse of HTML pages and JSONL files
 to learn which media they reference); it yields `Unit`s in a deterministic order. Processing a unit

@@ -1,4 +1,4 @@
-"""The shard manifest (DESIGN 2.1) and random access to samples: shared by data prep (writer), the
+"""The shard manifest (docs/data-format.md section 1) and random access to samples: shared by data prep (writer), the
 stream reader and the tokenizer trainer.
 
 Public helpers:

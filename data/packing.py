@@ -3,7 +3,7 @@
 Legend: L tokens of one document or piece, N patch positions of one visual block, D patch dim,
 S seq_len.
 
-Rules (DESIGN 2.3, issue 5): a document is split only when it alone exceeds a row, and then only
+Rules (docs/data-format.md section 5): a document is split only when it alone exceeds a row, and then only
 at a cut between two tokens that are not inside a visual block (a block with its open and close
 tags stays whole); a block that cannot fit a row makes its document unusable (skipped, counted).
 Each piece restarts its positions at 0, so a continuation never carries positions past what the

@@ -1,7 +1,7 @@
 """Shard reading: resolve a source to its shards and manifest, read any sample by byte offset.
 
 Every sample is addressed as (shard index, sample index) and read as the byte range
-[offset_i, offset_{i+1}) of its tar (the manifest's offsets, DESIGN 2.1), so one corrupt or
+[offset_i, offset_{i+1}) of its tar (the manifest's offsets, docs/data-format.md section 1), so one corrupt or
 truncated sample costs only itself, and a reader can start anywhere: exact resume re-reads what sat
 in the buffers by these references instead of replaying an epoch.
 

@@ -1,4 +1,4 @@
-"""`omniloom data build`: deterministic, parallel, resumable shard writing (DESIGN 2.1).
+"""`omniloom data build`: deterministic, parallel, resumable shard writing (docs/data-format.md section 1).
 
 How the guarantees are met:
 - Deterministic: units are discovered in sorted order and processed by a pure function; workers

@@ -1,8 +1,8 @@
 """`omniloom bench stream`: tokens/s per worker, best-fit vs sequential padding, restore vs replay.
 
 Also home of the synthetic corpus and tokenizer the stream's tests and benchmark share: shards in
-the contract format (DESIGN 2.1, tar + manifest with per-sample offsets) and a deterministic
-byte-level `SyntheticTokenizer` that follows the token layout contract (DESIGN 2.2) without
+the contract format (docs/data-format.md section 1, tar + manifest with per-sample offsets) and a deterministic
+byte-level `SyntheticTokenizer` that follows the token layout contract (docs/data-format.md section 4) without
 decoding pixels, so packing and resume can be exercised quickly and without a trained tokenizer.
 Legend: L tokens of a document, N patches of a block, D patch dim.
 """
@@ -35,7 +35,7 @@ def _media_bytes(kind: str, grid: tuple[int, int, int], rng: np.random.Generator
 
 def synthetic_documents(num_docs: int, *, seed: int = 0, mean_text: int = 400, max_text: int = 12000,
                         image_frac: float = 0.3, video_frac: float = 0.1, max_grid: int = 16):
-    """Yield (doc_json, media) pairs: text, code, images and videos in the DESIGN 2.1 format.
+    """Yield (doc_json, media) pairs: text, code, images and videos in the docs/data-format.md section 1 format.
 
     Text lengths are lognormal around `mean_text` bytes (one byte = one synthetic token), capped at
     `max_text`; image grids are up to max_grid x max_grid, videos up to 4 x max_grid/2 x max_grid/2.

@@ -1,5 +1,5 @@
 """Validation of everything that is not pixels: text decoding, the document JSON schema, and media
-references that must stay inside their source root (data prep, DESIGN 2.1).
+references that must stay inside their source root (data prep, docs/data-format.md section 1).
 
 Every check raises `Reject(code, reason)`: `code` is a short stable tag for counting, `reason` is a
 sentence a person can act on. The ingest code turns these into lines of `rejects.jsonl`.
@@ -264,7 +264,7 @@ def _inside(root: str, path: str) -> bool:
         return False
 
 
-# --- the document schema (DESIGN 2.1) and the OBELICS layout, as input JSONL ---------------------
+# --- the document schema (docs/data-format.md section 1) and the OBELICS layout, as input JSONL ---------------------
 
 _DOC_KEYS = {"schema", "segments", "meta", "id"}
 _SEG_KEYS = {
@@ -277,7 +277,7 @@ _SEG_KEYS = {
 
 def parse_input_document(obj) -> tuple[list[dict], dict]:
     """Check one JSONL record and return (segments, meta) in a uniform form: text/code segments as
-    in DESIGN 2.1, media segments as `{"type": "image"|"video", "path": relative path}`.
+    in docs/data-format.md section 1, media segments as `{"type": "image"|"video", "path": relative path}`.
 
     Accepts the omniloom schema (`{"schema": 1, "segments": [...], "meta": {...}}`, media by `ref`
     or `path`) and the OBELICS layout (parallel `texts` / `images` lists, exactly one non-null per

@@ -1,4 +1,4 @@
-"""The kernel API the model calls: `get_ops(mode)` picks a backend once (DESIGN 3.3).
+"""The kernel API the model calls: `get_ops(mode)` picks a backend once.
 
     ops = get_ops("auto")          # "auto": Triton on CUDA when available, reference elsewhere
     y = ops.rms_norm(x, w, eps); ops.swiglu(g, u); ops.apply_rope(x_BSHD, cos, sin)

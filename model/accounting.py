@@ -3,7 +3,7 @@
 `num_params(cfg)` equals `sum(p.numel() for p in OmniModel(cfg).parameters())` (a test checks it);
 router biases are buffers, not parameters. Active parameters drop the routed experts a token does
 not use. FLOPs per token count forward + backward (x3) of every matmul a token goes through and
-of attention according to each layer kind's sparsity (DESIGN 2.4).
+of attention according to each layer kind's sparsity.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Legend: B batch, S sequence, Sp padded to the block size bs, H query heads, K kv heads,
 G = H / K, D head dim, Q query blocks, N gathered key-block slots per query block.
 
-Backends (chosen once at construction by `check_backend`, DESIGN 3.3):
+Backends (chosen once at construction by `check_backend`):
 - sdpa: the reference on any device: L and G layers per document on contiguous slices (causal
   `is_causal` attention, or a mask of the document's own length), B layers one dense masked pass.
 - blocksparse: L and G layers per document (L in quarter-window query chunks over the keys their

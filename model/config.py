@@ -1,4 +1,4 @@
-"""Model configuration: one keyword-only dataclass per component (DESIGN 2.4, 3.2).
+"""Model configuration: one keyword-only dataclass per component.
 
     ModelConfig
       attention: AttentionConfig   layer kinds (pattern), window, block selection, backend

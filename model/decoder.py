@@ -1,4 +1,4 @@
-"""OmniModel: the decoder-only sparse-attention MoE over the unified token stream (DESIGN 2.4).
+"""OmniModel: the decoder-only sparse-attention MoE over the unified token stream.
 
 Legend: B batch, S sequence, D width, V vocab, T = B*S tokens, P patch positions, E experts,
 M = 5 modalities, L_moe MoE layers.
@@ -8,7 +8,7 @@ M = 5 modalities, L_moe MoE layers.
     loss = CE(head(rmsnorm(x)), lse in fp32) + z-loss (+ aux, router z)
 
 The model runs on one device; sharding, compile and activation checkpointing are applied from
-outside to `model.layers` (DESIGN 3.1).
+outside to `model.layers`.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class OmniModel(nn.Module):
         return_logits: bool = False,
         layout: BatchLayout | None = None,
     ) -> ModelOutput:
-        """Loss and metrics for one PackedBatch (fields as in DESIGN 2.3).
+        """Loss and metrics for one PackedBatch (fields as in docs/data-format.md section 5).
 
         `layout`: `self.batch_layout(doc_ids, block_ids)` computed on the CPU copies before the
         batch moves to the device; with it (and the flex backend, or sdpa/blocksparse), forward

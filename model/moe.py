@@ -1,4 +1,4 @@
-"""Feed-forward layers: a dense SwiGLU MLP and a dropless Mixture-of-Experts (DESIGN 2.4).
+"""Feed-forward layers: a dense SwiGLU MLP and a dropless Mixture-of-Experts.
 
 Legend: T tokens (B*S), D width, F expert width, E routed experts, K experts per token,
 N = T*K routed rows, M = 5 modalities.

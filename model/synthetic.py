@@ -1,6 +1,6 @@
 """Random PackedBatch-shaped inputs for tests and benchmarks (no data/ or tokenizers/ import).
 
-Rows hold several documents in the unified layout (DESIGN 2.2): bos, text or code, visual blocks
+Rows hold several documents in the unified layout (docs/data-format.md section 4): bos, text or code, visual blocks
 `<|image|> <|patch|>*N <|/image|>` (and video), eos; M-RoPE positions per document; labels
 shifted with -100 at patches, across documents and at padding; padding gets its own doc id.
 """

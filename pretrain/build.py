@@ -2,7 +2,7 @@
 read a model forward's output. Everything that depends on names in `omniloom.model`,
 `omniloom.data` and `omniloom.tokenizers` lives here, so the loop in train.py stays generic.
 
-Contracts (DESIGN 2.3, 2.4):
+Contracts (PackedBatch: docs/data-format.md section 5):
 - model: `OmniModel(cfg.model)`; `forward(input_ids, labels, positions, doc_ids, block_ids,
   modality, patches, patch_kind)` -> output with `loss` and optional statistics (read by
   `read_output`); optional `update_router_biases(counts_LME)`, `flops_per_token(seq_len)`.
@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 NUM_MODALITIES = 5
-IGNORE_INDEX = -100  # labels with no loss (DESIGN 2.3)
+IGNORE_INDEX = -100  # labels with no loss (docs/data-format.md section 5)
 BATCH_FIELDS = ("input_ids", "labels", "positions", "doc_ids", "block_ids", "modality", "patches", "patch_kind")
 
 
@@ -35,7 +35,7 @@ class Loader(Protocol):
 
 
 def resolve_model_config(cfg) -> Any:
-    """Fill the model fields the tokenizer decides (DESIGN 2.3): `vocab_size`, `patch_token_id`
+    """Fill the model fields the tokenizer decides (docs/data-format.md section 5): `vocab_size`, `patch_token_id`
     (id of <|patch|>), `pad_token_id` (packing pad), `patch_dim` and `tubelet_dim`, from the tokenizer
     in `data.tokenizer` (loaded, so a tokenizer.model that does not match its recorded sha256 fails here).
     Returns a new RunConfig. A value set explicitly to something else is an error."""
@@ -93,7 +93,7 @@ def build_loader(cfg, split: str, rank: int, world_size: int) -> Loader | None:
 
 
 def forward(model: torch.nn.Module, batch, layout=None) -> Any:
-    """Call the model on a PackedBatch's fields (keyword arguments, DESIGN 2.3), with the
+    """Call the model on a PackedBatch's fields (keyword arguments, docs/data-format.md section 5), with the
     host-side attention layout when there is one (OmniModel.batch_layout)."""
     fields = {name: getattr(batch, name) for name in BATCH_FIELDS}
     return model(**fields) if layout is None else model(**fields, layout=layout)

@@ -1,4 +1,4 @@
-"""The `omniloom` command: one CLI whose subcommands each package registers (DESIGN 1).
+"""The `omniloom` command: one CLI whose subcommands each package registers.
 
 A package takes part by having a `cli.py` with `register(subparsers)` (adds its commands, each with
 `set_defaults(func=handler)`) and optionally `register_bench(bench_subparsers)` (adds an

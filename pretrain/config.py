@@ -1,4 +1,4 @@
-"""The run config: the tree of component configs that a preset YAML loads into (DESIGN 3.2).
+"""The run config: the tree of component configs that a preset YAML loads into.
 
     RunConfig
       model: ModelConfig (attention, moe)    from omniloom.model.config

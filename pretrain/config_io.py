@@ -1,6 +1,6 @@
 """Typed config machinery: YAML presets and dotted overrides into keyword-only dataclasses.
 
-One config system for the whole project (DESIGN 3.2). Dataclasses stay plain: this module walks
+One config system for the whole project. Dataclasses stay plain: this module walks
 their type hints to validate input, so a wrong key or type fails with the key, the file it came
 from and the closest valid key.
 """

@@ -1,5 +1,5 @@
 """Everything that changes how a finished single-device model executes, applied in one place
-(DESIGN 3.1): expert parallelism (pretrain/expert_parallel.py), then activation checkpointing,
+in a fixed order: expert parallelism (pretrain/expert_parallel.py), then activation checkpointing,
 then torch.compile, per transformer block. Data parallelism
 and FSDP2 sharding come after, from `accelerator.prepare` and the accelerate config file
 (`configs/accelerate/fsdp2.yaml` wraps the same transformer blocks). Also: deterministic mode.

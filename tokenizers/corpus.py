@@ -1,7 +1,7 @@
 """Text/code training corpus for the SentencePiece trainer, read straight from shard tars.
 
 Tokenizers must not import omniloom.data (imports flow tokenizers <- data), so this module reads the
-shard format itself (DESIGN 2.1): the `KEY.doc.json` members of each tar, with tarfile, skipping
+shard format itself (docs/data-format.md section 1): the `KEY.doc.json` members of each tar, with tarfile, skipping
 media members without reading them into memory.
 """
 

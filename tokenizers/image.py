@@ -1,4 +1,4 @@
-"""Images to patch vectors and back (DESIGN 2.2).
+"""Images to patch vectors and back (docs/data-format.md section 4).
 
 Legend: H, W pixels; h, w patch grid; p patch size; tp temporal patch size; F frames; T tubelet
 groups; N patch positions; D patch dim (3*p*p for images, 3*tp*p*p for video). Patch vectors are

@@ -1,6 +1,6 @@
 """The unified token layout shared by tokenizers, the data stream and (through config) the model.
 
-DESIGN 2.2. Legend: L tokens of one document, N patch positions of one visual block, D patch dim.
+docs/data-format.md section 4. Legend: L tokens of one document, N patch positions of one visual block, D patch dim.
 First version written with the foundation; the tokenizers issue owns and extends it.
 """
 
@@ -33,7 +33,7 @@ class VisualBlock:
 
 @dataclass
 class TokenizedDoc:
-    """One document in the unified layout (DESIGN 2.2); positions start at 0 per document."""
+    """One document in the unified layout (docs/data-format.md section 4); positions start at 0 per document."""
 
     ids_L: np.ndarray  # int64 [L]
     modality_L: np.ndarray  # uint8 [L]

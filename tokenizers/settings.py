@@ -33,7 +33,7 @@ class MediaError(DocumentError):
 
 @dataclass(frozen=True, kw_only=True)
 class MediaSettings:
-    """How images and videos become patch vectors (DESIGN 2.2).
+    """How images and videos become patch vectors (docs/data-format.md section 4).
 
     Images: resized keeping the aspect ratio so (H/p)*(W/p) <= image_patch_budget, sides multiples
     of p (never below one patch). Videos: frames sampled by timestamp at video_fps, at most

@@ -1,4 +1,4 @@
-"""One document (doc.json + media bytes) to the unified token layout and back (DESIGN 2.2).
+"""One document (doc.json + media bytes) to the unified token layout and back (docs/data-format.md section 4).
 
 Legend: L tokens of the document, N patch positions of one block, D patch dim.
 

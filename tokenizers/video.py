@@ -1,4 +1,4 @@
-"""Videos to tubelet vectors with PyAV (DESIGN 2.2).
+"""Videos to tubelet vectors with PyAV (docs/data-format.md section 4).
 
 Legend: F sampled frames, H, W pixels, T = ceil(F / tp) tubelet groups, h, w patch grid,
 N = T*h*w tubelets, D = 3*tp*p*p.
