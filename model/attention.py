@@ -231,17 +231,13 @@ class AttnContext:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def _chunk_mask(self, b: int, s0: int, c0: int, c1: int, k0: int, k1: int, kind: str) -> torch.Tensor:
-        """The rule inside one document (documents are contiguous, so only causality, visual
-        blocks and the window remain) for queries [c0, c1) and keys [k0, k1) of the document
-        starting at s0: [c1 - c0, k1 - k0] bool."""
-        vis = self.info.vis_BS[b]
+        """masks.token_mask for queries [c0, c1) and keys [k0, k1) of the document starting at
+        s0 (one document: the doc term is always true): [c1 - c0, k1 - k0] bool."""
+        vis, doc = self.info.vis_BS[b], self.info.doc_BS[b]
         qi = torch.arange(c0, c1, device=vis.device)
         kj = torch.arange(k0, k1, device=vis.device)
-        vq, vk = vis[s0 + c0 : s0 + c1], vis[s0 + k0 : s0 + k1]
-        m = (kj[None, :] <= qi[:, None]) | ((vq[:, None] >= 0) & (vq[:, None] == vk[None, :]))
-        if kind == "L":
-            m = m & ((qi[:, None] - kj[None, :]).abs() < self.info.window)
-        return m
+        return token_mask(doc[s0 + c0 : s0 + c1, None], vis[s0 + c0 : s0 + c1, None], qi[:, None],
+                          doc[None, s0 + k0 : s0 + k1], vis[None, s0 + k0 : s0 + k1], kj[None, :], kind, self.info.window)
 
     @staticmethod
     def _sdpa(q, k, v, mask_BKSS):

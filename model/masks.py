@@ -49,11 +49,6 @@ class MaskInfo:
     def num_blocks(self) -> int:
         return self.padded_len // self.block_size
 
-    @property
-    def has_visual(self) -> bool:
-        """A host read (a device sync on GPU): only the flash backend's per-batch fallback uses it."""
-        return bool((self.vis_BS >= 0).any())
-
 
 def _run_starts(change_BS: torch.Tensor) -> torch.Tensor:
     """Index of the first token of each token's run, where change_BS marks run starts."""
