@@ -27,7 +27,7 @@ def _worker(args) -> None:
     from . import build as B
     from . import expert_parallel as EP
     from .config import load_config
-    from .train import Trainer
+    from .train import Trainer, close_process_group
 
     world = int(os.environ["WORLD_SIZE"])
     import tempfile
@@ -59,10 +59,7 @@ def _worker(args) -> None:
             print("BENCH_EP " + json.dumps({
                 "world": world, "ep": args.ep, "tokens_per_s": (trainer.tokens_seen - tokens0) / wall,
                 "step_s": wall / args.steps, "exchange_share": exchange / wall, "params_per_rank": params}), flush=True)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    close_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,7 +120,6 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     mode, out, *overrides = sys.argv[1:]
     {"fit": fit, "step": step}[mode](out, overrides)
-    import torch.distributed as dist
+    from omniloom.pretrain.train import close_process_group
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    close_process_group()
