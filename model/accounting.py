@@ -11,11 +11,19 @@ from __future__ import annotations
 from .config import ModelConfig
 
 
-def _attention_params(cfg: ModelConfig) -> int:
+def _indexer_params(cfg: ModelConfig) -> int:
+    att = cfg.attention
+    # per kv head: indexer_heads query heads and one key head of width indexer_dim
+    return cfg.dim * cfg.num_kv_heads * att.indexer_dim * (att.indexer_heads + 1)
+
+
+def _attention_params(cfg: ModelConfig, kind: str) -> int:
     hd = cfg.head_dim
     n = cfg.dim * cfg.num_heads * hd * 2 + cfg.dim * cfg.num_kv_heads * hd * 2  # wq, wo, wk, wv
     if cfg.attention.qk_norm:
         n += 2 * hd
+    if kind == "B" and cfg.attention.selector == "indexer":
+        n += _indexer_params(cfg)
     return n + cfg.dim  # pre-attention norm
 
 
@@ -39,8 +47,8 @@ def _embedding_params(cfg: ModelConfig) -> int:
 def num_params(cfg: ModelConfig) -> int:
     """Total trainable parameters."""
     n = _embedding_params(cfg) + cfg.dim  # final norm
-    for layer in range(cfg.num_layers):
-        n += _attention_params(cfg) + _ffn_params(cfg, layer, active=False)
+    for layer, kind in enumerate(cfg.layer_kinds()):
+        n += _attention_params(cfg, kind) + _ffn_params(cfg, layer, active=False)
     return n
 
 
@@ -48,15 +56,16 @@ def num_active_params(cfg: ModelConfig) -> int:
     """Parameters one text token uses: everything except the routed experts it is not sent to
     (and the patch/tubelet embeddings, which only visual tokens use)."""
     n = 2 * cfg.vocab_size * cfg.dim + cfg.dim
-    for layer in range(cfg.num_layers):
-        n += _attention_params(cfg) + _ffn_params(cfg, layer, active=True)
+    for layer, kind in enumerate(cfg.layer_kinds()):
+        n += _attention_params(cfg, kind) + _ffn_params(cfg, layer, active=True)
     return n
 
 
 def mean_keys_per_query(cfg: ModelConfig, kind: str, seq_len: int) -> float:
     """Average number of keys a causal query attends in a layer of `kind` over a seq_len document."""
     att = cfg.attention
-    span = {"G": seq_len, "L": att.window, "B": att.num_selected_blocks * att.block_size}[kind]
+    # B: own block, the document's first block and num_selected_blocks - 1 others
+    span = {"G": seq_len, "L": att.window, "B": (att.num_selected_blocks + 1) * att.block_size}[kind]
     span = min(span, seq_len)
     # query i sees min(i + 1, span) keys; average over i in [0, seq_len)
     return (span * (span + 1) / 2 + (seq_len - span) * span) / seq_len
@@ -66,13 +75,20 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), for documents of seq_len tokens:
     6 x active matmul parameters (embedding lookup excluded, output head included) plus attention
     12 x heads x head_dim x mean keys per query per layer, plus the B layers' block scoring."""
+    att = cfg.attention
     matmul = num_active_params(cfg) - cfg.vocab_size * cfg.dim  # the embedding is a lookup
+    if att.selector == "indexer":  # indexer projections: forward and weight gradient only (input detached)
+        matmul -= cfg.num_b_layers * _indexer_params(cfg) / 3
     flops = 6.0 * matmul
     hq, hd = cfg.num_heads, cfg.head_dim
     for kind in cfg.layer_kinds():
         flops += 12.0 * hq * hd * mean_keys_per_query(cfg, kind, seq_len)
-        if kind == "B":  # query x pooled keys of the earlier blocks, forward only (no gradient)
-            flops += 2.0 * hq * hd * (seq_len / cfg.attention.block_size) / 2
+        if kind == "B" and att.selector == "pooled":  # query x pooled keys of the earlier blocks, forward only
+            flops += 2.0 * hq * hd * (seq_len / att.block_size) / 2
+        elif kind == "B":
+            # block-start index queries x every earlier key (max-pooled), forward only; the KL
+            # target's dense scores for the sampled query blocks are a bounded extra, not counted
+            flops += 2.0 * cfg.num_kv_heads * att.indexer_heads * att.indexer_dim * (seq_len / 2) / att.block_size
     return flops
 
 

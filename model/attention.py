@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .indexer import BlockIndexer, indexer_block_scores, selector_stats
 from .masks import BatchLayout, MaskInfo, batch_layout, block_ranges, dense_mask, select_blocks, selected_block_slots, token_mask
 
 log = logging.getLogger(__name__)
@@ -131,12 +132,21 @@ class AttnContext:
 
     `layout` (masks.BatchLayout, computed on the host from the CPU batch) sizes the sdpa,
     blocksparse and flash paths with no device read; without it, it is derived from the mask
-    info on first use (a device sync on GPU: the trainer and eval always pass it)."""
+    info on first use (a device sync on GPU: the trainer and eval always pass it).
 
-    def __init__(self, info: MaskInfo, backend: str, num_selected_blocks: int, device: torch.device, layout: BatchLayout | None = None):
+    B layers: `dense_b` makes them attend as G (the dense warm-up). Their selector statistics
+    (model/indexer.py: the indexer's KL loss when an index branch is passed, the coverage of the
+    dense attention) are computed on `sample_blocks` query blocks when the indexer trains (grad
+    enabled) or when `measure` is set, and appended to `b_stats`, one dict per B layer in order."""
+
+    def __init__(self, info: MaskInfo, backend: str, num_selected_blocks: int, device: torch.device, layout: BatchLayout | None = None,
+                 *, dense_b: bool = False, measure: bool = False, sample_blocks: int = 16):
         if backend in ("flex", "flash") and device.type != "cuda":
             raise ValueError(f"attention backend '{backend}' runs on CUDA only; move the model to a GPU or choose blocksparse")
         self.info, self.backend, self.num_selected = info, backend, num_selected_blocks
+        self.dense_b, self.measure, self.sample_blocks = dense_b, measure, sample_blocks
+        self.block_size = info.block_size
+        self.b_stats: list[dict[str, torch.Tensor]] = []
         self.cache: dict[str, object] = {}
         if layout is not None and layout.seq_len != info.seq_len:
             raise ValueError(f"BatchLayout is for seq_len {layout.seq_len}, the batch has {info.seq_len}")
@@ -157,10 +167,29 @@ class AttnContext:
             self.cache[key] = build()
         return self.cache[key]
 
-    def attend(self, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, kind: str) -> torch.Tensor:
-        """Attention output [B, H, S, D] for one layer of `kind` (L, G or B)."""
+    def select(self, q_BHSD, k_BKSD, index=None) -> torch.Tensor:
+        """A B layer's block choice [B, K, Sp, nb]: by the indexer's scores when `index` (its
+        block-start queries and keys, model/indexer.py) is given, else pooled."""
+        scores = None
+        if index is not None:
+            with torch.no_grad():
+                scores = indexer_block_scores(index[0], index[1], self.info.block_size)
+        return select_blocks(self.info, q_BHSD, k_BKSD, self.num_selected, scores)
+
+    def attend(self, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, kind: str,
+               index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention output [B, H, S, D] for one layer of `kind` (L, G or B). `index`: a B layer's
+        indexer queries and keys (BlockIndexer.forward), None for the pooled selector."""
         info, backend = self.info, self.backend
-        sel = select_blocks(info, q_BHSD, k_BKSD, self.num_selected) if kind == "B" else None
+        sel = None
+        if kind == "B":
+            train_index = index is not None and torch.is_grad_enabled()
+            if not self.dense_b or train_index or self.measure:
+                sel = self.select(q_BHSD, k_BKSD, index)
+            if train_index or self.measure:
+                self.b_stats.append(selector_stats(info, q_BHSD, k_BKSD, sel, self.sample_blocks, index))
+            if self.dense_b:  # warm-up: attend as G; the indexer learns all the same
+                kind, sel = "G", None
         if backend == "flash" and (kind == "B" or any(seg[2] for row in self.layout.segments for seg in row)):
             log.debug("flash cannot express B layers or bidirectional visual blocks: this layer uses blocksparse")
             backend = "blocksparse"
@@ -265,14 +294,29 @@ class AttnContext:
 
         def build():
             # compiled on CUDA: built on the GPU without an [S, S] tensor (_compile=True)
-            return create_block_mask(mask_mod, B, H if sel is not None else None, S, S, device=q.device, _compile=q.is_cuda)
+            return create_block_mask(mask_mod, B, None, S, S, device=q.device, _compile=q.is_cuda)
 
-        block_mask = build() if sel is not None else self._cached(f"flex{kind}", build)
+        block_mask = self._flex_selected(sel, mask_mod, H) if sel is not None else self._cached(f"flex{kind}", build)
         if q.device.type != "cuda":  # eager: only the forward, used by the CPU parity test of the mask_mod
             from torch.nn.attention.flex_attention import flex_attention
 
             return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
         return _flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+    def _flex_selected(self, sel, mask_mod, H: int):
+        """A B layer's BlockMask straight from its selected key blocks (BlockMask.from_kv_blocks):
+        for each query block the union of its tokens' choices (selected_block_slots, sized by the
+        host layout), every slot a partial block whose tokens the mask_mod decides. No [S, S]
+        tensor and no S x S mask evaluation: the cost is Q x N blocks."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        info = self.info
+        kv_idx, valid = selected_block_slots(info, sel, self.layout.slots["B"])  # [B, K, Q, N]
+        G = H // kv_idx.shape[1]
+        num = valid.sum(-1).to(torch.int32).repeat_interleave(G, dim=1)
+        idx = kv_idx.to(torch.int32).repeat_interleave(G, dim=1).contiguous()
+        S = info.seq_len
+        return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=info.block_size, mask_mod=mask_mod, seq_lengths=(S, S))
 
     def _flash(self, q, k, v, kind):
         from flash_attn import flash_attn_varlen_func
@@ -298,7 +342,8 @@ class AttnContext:
 class Attention(nn.Module):
     """One attention layer: projections without bias, QK-norm (RMSNorm per head), M-RoPE, GQA."""
 
-    def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, kind: str, qk_norm: bool, norm_eps: float, ops):
+    def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, kind: str, qk_norm: bool, norm_eps: float, ops,
+                 indexer_heads: int = 0, indexer_dim: int = 0):
         super().__init__()
         self.kind, self.ops, self.eps = kind, ops, norm_eps
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
@@ -308,6 +353,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(num_heads * self.head_dim, dim, bias=False)
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
+        # B layers with selector=indexer: the learned block selector (reads the input detached)
+        self.indexer = (BlockIndexer(dim=dim, num_kv_heads=num_kv_heads, heads=indexer_heads, dim_idx=indexer_dim)
+                        if kind == "B" and indexer_heads > 0 else None)
 
     def forward(self, x_BSD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, S, _ = x_BSD.shape
@@ -323,5 +371,6 @@ class Attention(nn.Module):
             k = self.ops.rms_norm(k, self.k_norm, self.eps)
         q = self.ops.apply_rope(q, cos_BSd, sin_BSd)
         k = self.ops.apply_rope(k, cos_BSd, sin_BSd)
-        out_BHSD = ctx.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kind)
+        index = self.indexer(x_BSD.detach(), ctx.block_size) if self.indexer is not None else None
+        out_BHSD = ctx.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kind, index=index)
         return self.wo(out_BHSD.transpose(1, 2).reshape(B, S, -1))

@@ -22,9 +22,23 @@ class AttentionConfig:
     """Attention layers. `pattern` is a string of layer kinds, repeated to `num_layers`:
     `L` sliding window (keys within `window` tokens), `G` global (the whole document),
     `B` block top-k selection: each query keeps its own key block, the first block of its
-    document, the blocks of its own visual block, and the best `num_selected_blocks - 1` earlier
-    blocks by pooled-key score (MoBA/NSA style). Every kind keeps documents apart, text causal
-    and visual blocks bidirectional.
+    document, the blocks of its own visual block, and the best `num_selected_blocks - 1` other
+    earlier blocks of its document. Every kind keeps documents apart, text causal and visual
+    blocks bidirectional. Dense first layers: write them into the pattern (e.g. "GGGLLB", with
+    num_layers equal to its length).
+
+    selector: how B layers score the earlier blocks.
+      `pooled`  the layer's own (summed group) query against each block's mean key; nothing learned
+                (MoBA style).
+      `indexer` a small learned index branch per B layer (MSA / DeepSeek-V3.2 style):
+                `indexer_heads` query heads and one key head of width `indexer_dim` per kv head;
+                a block's score is the max over its keys, averaged over the index heads. It is
+                trained by an auxiliary KL loss (`indexer_loss_coef`) toward the dense
+                attention's per-block mass on `indexer_sample_blocks` sampled query blocks per
+                row (stop-gradient on both the target and the indexer's input), so it never
+                pushes on the language model. See docs/sparse-attention.md.
+    dense_warmup_steps: B layers attend densely (as G) for the first N training steps while the
+      indexer already learns; the trainer logs the switch.
 
     backend: `sdpa` reference (any device; per document, dense masks only for B layers),
     `blocksparse` per-document slices for L/G layers and gathered key blocks for B layers (any
@@ -38,6 +52,12 @@ class AttentionConfig:
     block_size: int = 64
     num_selected_blocks: int = 8
     qk_norm: bool = True
+    selector: Literal["pooled", "indexer"] = "pooled"
+    indexer_dim: int = 64
+    indexer_heads: int = 2
+    indexer_loss_coef: float = 0.1
+    indexer_sample_blocks: int = 16
+    dense_warmup_steps: int = 0
 
 
 @dataclass(kw_only=True)
@@ -107,6 +127,14 @@ class ModelConfig:
         pattern = self.attention.pattern
         return [pattern[i % len(pattern)] for i in range(self.num_layers)]
 
+    @property
+    def num_b_layers(self) -> int:
+        return sum(kind == "B" for kind in self.layer_kinds())
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.attention.selector == "indexer" and self.num_b_layers > 0
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe.num_experts > 0 and layer >= self.moe.num_dense_layers
 
@@ -139,6 +167,12 @@ class ModelConfig:
             raise ValueError(f"model.attention.pattern='{att.pattern}' may only use L (window), G (global), B (block top-k)")
         if att.window < 1 or att.block_size < 1 or att.num_selected_blocks < 1:
             raise ValueError("model.attention.window, block_size and num_selected_blocks must be >= 1")
+        if att.selector not in ("pooled", "indexer"):
+            raise ValueError(f"model.attention.selector='{att.selector}': choose pooled or indexer")
+        if att.selector == "indexer" and (att.indexer_dim < 1 or att.indexer_heads < 1 or att.indexer_sample_blocks < 1):
+            raise ValueError("model.attention.indexer_dim, indexer_heads and indexer_sample_blocks must be >= 1")
+        if att.indexer_loss_coef < 0 or att.dense_warmup_steps < 0:
+            raise ValueError("model.attention.indexer_loss_coef and dense_warmup_steps must be >= 0")
         if moe.num_experts < 0 or moe.num_dense_layers < 0:
             raise ValueError("model.moe.num_experts and num_dense_layers must be >= 0")
         if moe.num_experts:

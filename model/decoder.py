@@ -48,6 +48,12 @@ class ModelOutput:
     expert_counts: torch.Tensor  # [L_moe, 5, E] int64 routed tokens per layer, modality, expert
     output_rms: torch.Tensor  # scalar RMS of the last layer's output (before the final norm)
     logits: torch.Tensor | None = None  # [B, S, V] fp32 when return_logits
+    # B layers' selector statistics (model/indexer.py), present when computed (indexer training,
+    # or `measure_attention=True`): the indexer loss term (coefficient applied, with gradient, in
+    # `loss`), its KL per B layer [nB] and the coverage of the dense attention per B layer [nB]
+    indexer_loss: torch.Tensor | None = None
+    indexer_kl: torch.Tensor | None = None
+    block_coverage: torch.Tensor | None = None
 
 
 class Block(nn.Module):
@@ -60,6 +66,8 @@ class Block(nn.Module):
         self.attn = Attention(
             dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, kind=kind,
             qk_norm=cfg.attention.qk_norm, norm_eps=cfg.norm_eps, ops=ops,
+            indexer_heads=cfg.attention.indexer_heads if cfg.attention.selector == "indexer" else 0,
+            indexer_dim=cfg.attention.indexer_dim,
         )
         self.ffn_norm = nn.Parameter(torch.ones(cfg.dim))
         self.is_moe = cfg.is_moe_layer(layer)
@@ -90,6 +98,11 @@ class OmniModel(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, kind, self.ops) for i, kind in enumerate(cfg.layer_kinds()))
         self.norm = nn.Parameter(torch.ones(cfg.dim))
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # B layers attend densely (as G) during model.attention.dense_warmup_steps: see set_step
+        self.dense_b_layers = False
+        # compute the B layers' selector statistics in every forward (eval sets it; indexer
+        # training computes them regardless)
+        self.measure_attention = False
         self.reset_parameters()
 
     @torch.no_grad()
@@ -139,7 +152,9 @@ class OmniModel(nn.Module):
         x_BSD = self.embed(input_ids, patches, patch_kind)
         cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
         info = build_mask_info(doc_ids, block_ids, block_size=cfg.attention.block_size, window=cfg.attention.window)
-        ctx = AttnContext(info, cfg.attention.backend, cfg.attention.num_selected_blocks, x_BSD.device, layout)
+        att = cfg.attention
+        ctx = AttnContext(info, att.backend, att.num_selected_blocks, x_BSD.device, layout, dense_b=self.dense_b_layers,
+                          measure=self.measure_attention, sample_blocks=att.indexer_sample_blocks)
         real_BS = input_ids != cfg.pad_token_id if cfg.pad_token_id >= 0 else None
         moe_stats = []
         for layer in self.layers:
@@ -162,6 +177,14 @@ class OmniModel(nn.Module):
         aux_loss = cfg.moe.aux_loss_coef * aux / n_moe
         router_z_loss = cfg.moe.router_z_loss_coef * rz / n_moe
         loss = ce_loss + z_loss + aux_loss + router_z_loss
+        indexer_loss = indexer_kl = block_coverage = None
+        if ctx.b_stats:
+            block_coverage = torch.stack([st["coverage"] for st in ctx.b_stats])
+            if "kl" in ctx.b_stats[0]:
+                kl = torch.stack([st["kl"] for st in ctx.b_stats])
+                indexer_kl = kl.detach()
+                indexer_loss = att.indexer_loss_coef * kl.mean()
+                loss = loss + indexer_loss
 
         # the modality of a loss term is the target's: token i predicts token i + 1. Sums by
         # scatter-add into fixed-size buffers: no boolean indexing, no host sync (ce is 0 where
@@ -186,8 +209,17 @@ class OmniModel(nn.Module):
         return ModelOutput(
             loss=loss, ce_loss=ce_loss, z_loss=z_loss, aux_loss=aux_loss, router_z_loss=router_z_loss,
             ce_sum_by_modality=ce_by_mod, tokens_by_modality=tokens_by_mod, expert_counts=expert_counts,
-            output_rms=output_rms, logits=logits,
+            output_rms=output_rms, logits=logits, indexer_loss=indexer_loss, indexer_kl=indexer_kl,
+            block_coverage=block_coverage,
         )
+
+    def set_step(self, step: int) -> bool:
+        """Tell the model the training step about to run: B layers attend densely while
+        step < model.attention.dense_warmup_steps. Returns True when this call switched them."""
+        dense = step < self.cfg.attention.dense_warmup_steps
+        changed = dense != self.dense_b_layers
+        self.dense_b_layers = dense
+        return changed
 
     def batch_layout(self, doc_ids: torch.Tensor, block_ids: torch.Tensor) -> BatchLayout:
         """The host-side BatchLayout of a batch for this model's attention settings: call it on

@@ -15,12 +15,16 @@ What each layer kind keeps (the rule for query i and key j of one document, mask
 - `L` (window): `i - j < window`, so the cache keeps only the last `window` keys (the new one
   included); older keys are dropped and memory stays flat however long the generation runs.
 - `G` (global): every key of the document.
-- `B` (block top-k): every key, because any earlier block may be selected; the new token attends
-  only to the blocks training would give it: its own block, the document's first block, and the
-  best `num_selected_blocks - 1` completed earlier blocks scored by the *first* query of its block
-  (summed over the group) against each block's mean key. That is exactly `select_blocks` for a
-  causal text query, so cached decoding computes the same attention as the full forward. The
-  mean key of a block is computed once, when the block completes, and kept.
+- `B` (block top-k): every key, because any earlier block may be selected later, but a step
+  *reads* only the blocks training would give it: its own block, the document's first block, and
+  the best `num_selected_blocks - 1` other completed blocks. The choice is made once per block,
+  when its first token arrives, exactly as `masks.select_blocks` makes it for a causal text query:
+  - pooled selector: the block's first query (summed over the group) against each block's mean
+    key, computed once when a block completes and kept;
+  - indexer selector: the layer's index queries of the block's first token against the index
+    keys of every earlier token, max-pooled per block (the cache keeps the index keys, width
+    `indexer_dim` per kv head, next to the keys and values).
+  So cached decoding computes the same attention as the full forward.
 
 Generated tokens are text (causal); visual blocks come only from the prompt. One document per
 row: the prompt starts at position 0 and attention never needs a document mask.
@@ -35,6 +39,7 @@ import torch
 
 from .attention import AttnContext
 from .embeddings import mrope_angles
+from .indexer import indexer_block_scores
 from .masks import build_mask_info
 
 
@@ -50,10 +55,12 @@ class LayerCache:
     _k: torch.Tensor | None = None  # [B, K, capacity, D]
     _v: torch.Tensor | None = None
     _idx: torch.Tensor | None = None  # [capacity] int64 absolute index of every cached key
-    # B layers only: mean key of every completed block [B, K, nc, D] fp32, and the summed group
-    # query of the first token of the current block [B, K, D] fp32 (the block's scoring query)
+    # B layers only: mean key of every completed block [B, K, nc, D] fp32 (pooled selector) or
+    # the index key of every token [B, K, T, d] (indexer selector), and the blocks the current
+    # query block reads [B, K, n] (chosen when its first token arrived)
     kmean_BKnD: torch.Tensor | None = None
-    rep_q_BKD: torch.Tensor | None = None
+    ik_BKTd: torch.Tensor | None = None
+    blocks_BKn: torch.Tensor | None = None
 
     @property
     def num_keys(self) -> int:
@@ -102,8 +109,9 @@ class LayerCache:
         total = 0
         if self._k is not None:
             total += 2 * self.k_BKTD.numel() * self._k.element_size()
-        if self.kmean_BKnD is not None:
-            total += self.kmean_BKnD.numel() * self.kmean_BKnD.element_size()
+        for extra in (self.kmean_BKnD, self.ik_BKTd):
+            if extra is not None:
+                total += extra.numel() * extra.element_size()
         return total
 
 
@@ -115,9 +123,9 @@ class _PrefillContext(AttnContext):
         self.decoder = decoder
         self.layer = -1
 
-    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind):
-        out = super().attend(q_BHSD, k_BKSD, v_BKSD, kind)
-        self.decoder._record_prefill(self.layer, q_BHSD, k_BKSD, v_BKSD)
+    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None):
+        out = super().attend(q_BHSD, k_BKSD, v_BKSD, kind, index=index)
+        self.decoder._record_prefill(self.layer, q_BHSD, k_BKSD, v_BKSD, index)
         return out
 
 
@@ -126,9 +134,10 @@ class _StepContext:
 
     def __init__(self, decoder: "CachedDecoder", index: int):
         self.decoder, self.index, self.layer = decoder, index, -1
+        self.block_size = decoder.block_size
 
-    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind):
-        return self.decoder._attend_step(self.layer, self.index, q_BHSD, k_BKSD, v_BKSD)
+    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None):
+        return self.decoder._attend_step(self.layer, self.index, q_BHSD, k_BKSD, v_BKSD, index)
 
 
 class CachedDecoder:
@@ -182,7 +191,8 @@ class CachedDecoder:
         cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
         doc_ids = torch.zeros_like(input_ids, dtype=torch.int32)
         info = build_mask_info(doc_ids, block_ids, block_size=self.block_size, window=self.window)
-        ctx = _PrefillContext(self, info, cfg.attention.backend, self.num_selected, x_BSD.device)
+        ctx = _PrefillContext(self, info, cfg.attention.backend, self.num_selected, x_BSD.device,
+                              dense_b=model.dense_b_layers)
         for i, layer in enumerate(model.layers):
             ctx.layer = i
             x_BSD, _ = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality)
@@ -224,7 +234,7 @@ class CachedDecoder:
         h = model.ops.rms_norm(x_B1D, model.norm, self.cfg.norm_eps)
         return (h[:, -1].float() @ model.head.weight.float().t())
 
-    def _record_prefill(self, layer: int, q_BHSD, k_BKSD, v_BKSD) -> None:
+    def _record_prefill(self, layer: int, q_BHSD, k_BKSD, v_BKSD, index) -> None:
         cache = self.caches[layer]
         S = k_BKSD.shape[2]
         cache.append(k_BKSD, v_BKSD, torch.arange(S, device=k_BKSD.device))
@@ -232,59 +242,73 @@ class CachedDecoder:
             return
         bs = self.block_size
         n_done = S // bs
-        kf = k_BKSD.float()
-        B, K, _, D = kf.shape
-        cache.kmean_BKnD = kf[:, :, : n_done * bs].reshape(B, K, n_done, bs, D).mean(3)
-        if S % bs:  # the next token falls in a started block: its scoring query is that block's first
-            rep = (S // bs) * bs
-            cache.rep_q_BKD = _group_sum(q_BHSD[:, :, rep], K)
+        B, K, _, D = k_BKSD.shape
+        if index is None:
+            cache.kmean_BKnD = k_BKSD[:, :, : n_done * bs].float().reshape(B, K, n_done, bs, D).mean(3)
         else:
-            cache.rep_q_BKD = None
+            cache.ik_BKTd = index[1].float()
+        cache.blocks_BKn = None
+        if S % bs:  # the next token falls in a started block: choose that block's reads now
+            rep = n_done * bs
+            rep_q = index[0][:, :, :, n_done] if index is not None else _group_sum(q_BHSD[:, :, rep], K)
+            cache.blocks_BKn = self._choose_blocks(cache, n_done, rep_q)
 
-    def _attend_step(self, layer: int, i: int, q_BH1D, k_BK1D, v_BK1D) -> torch.Tensor:
+    def _attend_step(self, layer: int, i: int, q_BH1D, k_BK1D, v_BK1D, index) -> torch.Tensor:
         cache = self.caches[layer]
         dev = q_BH1D.device
+        bs = self.block_size
         cache.append(k_BK1D, v_BK1D, torch.tensor([i], device=dev))
-        k, v, idx_T = cache.k_BKTD, cache.v_BKTD, cache.idx_T
         B, H, _, D = q_BH1D.shape
-        K = k.shape[1]
+        K = k_BK1D.shape[1]
         G = H // K
-        allowed_BKT = (idx_T <= i).view(1, 1, -1).expand(B, K, -1)
-        if cache.kind == "L":
-            allowed_BKT = allowed_BKT & (i - idx_T < self.window).view(1, 1, -1)
-        elif cache.kind == "B":
-            allowed_BKT = allowed_BKT & self._block_choice(cache, i, q_BH1D, K).gather(
-                2, (idx_T // self.block_size).view(1, 1, -1).expand(B, K, -1))
+        if cache.kind == "B" and index is not None:
+            ik = index[1].float()
+            cache.ik_BKTd = ik if cache.ik_BKTd is None else torch.cat([cache.ik_BKTd, ik], dim=2)
+        if cache.kind == "B" and not self.model.dense_b_layers:
+            if i % bs == 0:  # a new query block: choose the blocks it reads, from its first query
+                rep_q = index[0][:, :, :, 0] if index is not None else _group_sum(q_BH1D[:, :, 0], K)
+                cache.blocks_BKn = self._choose_blocks(cache, i // bs, rep_q)
+            # read only the chosen blocks' keys: [B, K, n * bs] token indices (absolute = cache slot)
+            tok = (cache.blocks_BKn.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(2)
+            allowed_BKT = tok <= i
+            tok = tok.clamp(max=i)
+            k = cache.k_BKTD.gather(2, tok.unsqueeze(-1).expand(-1, -1, -1, D))
+            v = cache.v_BKTD.gather(2, tok.unsqueeze(-1).expand(-1, -1, -1, D))
+        else:
+            k, v, idx_T = cache.k_BKTD, cache.v_BKTD, cache.idx_T
+            allowed_BKT = (idx_T <= i).view(1, 1, -1).expand(B, K, -1)
+            if cache.kind == "L":
+                allowed_BKT = allowed_BKT & (i - idx_T < self.window).view(1, 1, -1)
         q = q_BH1D.reshape(B, K, G, D)
         scores_BKGT = torch.einsum("bkgd,bktd->bkgt", q, k) * (1.0 / math.sqrt(D))
         scores_BKGT = scores_BKGT.masked_fill(~allowed_BKT.unsqueeze(2), float("-inf"))
         probs = torch.softmax(scores_BKGT, dim=-1, dtype=torch.float32).to(v.dtype)
         out_BKGD = torch.einsum("bkgt,bktd->bkgd", probs, v)
-        if cache.kind == "B" and (i + 1) % self.block_size == 0:
+        if cache.kind == "B" and index is None and (i + 1) % bs == 0:
             # block i // bs is complete: keep its mean key for later selections
-            bs = self.block_size
-            blk = k[:, :, -bs:].float().mean(2, keepdim=True)
-            assert int(idx_T[-bs]) == i + 1 - bs
+            blk = cache.k_BKTD[:, :, -bs:].float().mean(2, keepdim=True)
             cache.kmean_BKnD = blk if cache.kmean_BKnD is None else torch.cat([cache.kmean_BKnD, blk], dim=2)
         return out_BKGD.reshape(B, H, 1, D)
 
-    def _block_choice(self, cache: LayerCache, i: int, q_BH1D, K: int) -> torch.Tensor:
-        """[B, K, nb] bool: the key blocks token i may see in a B layer (select_blocks' rule)."""
+    def _choose_blocks(self, cache: LayerCache, qb: int, rep_q) -> torch.Tensor:
+        """[B, K, n] key blocks query block `qb` reads (masks.select_blocks' rule for a text query
+        of a single document): qb itself, block 0 (the document's first) and the best
+        `num_selected - 1` of the completed blocks 1..qb-1. `rep_q`: the block's first query,
+        [B, K, D] group sum (pooled) or [B, K, Hi, d] index queries (indexer)."""
         bs = self.block_size
-        qb = i // bs
-        if i % bs == 0:
-            cache.rep_q_BKD = _group_sum(q_BH1D[:, :, 0], K)
-        B = q_BH1D.shape[0]
-        sel = torch.zeros(B, K, qb + 1, dtype=torch.bool, device=q_BH1D.device)
-        sel[:, :, qb] = True  # own block
-        sel[:, :, 0] = True  # the document's first block (attention sink)
-        n_pick = min(self.num_selected - 1, qb)
-        if n_pick > 0:
-            kmean = cache.kmean_BKnD[:, :, :qb]
-            scores_BKn = torch.einsum("bkd,bknd->bkn", cache.rep_q_BKD, kmean)
-            top = scores_BKn.topk(n_pick, dim=-1).indices
-            sel[:, :, :qb].scatter_(-1, top, True)
-        return sel
+        B, K = rep_q.shape[:2]
+        dev = rep_q.device
+        forced = [qb] if qb == 0 else [0, qb]
+        base = torch.tensor(forced, device=dev).expand(B, K, len(forced))
+        n_pick = min(self.num_selected - 1, qb - 1)
+        if n_pick <= 0:
+            return base
+        if cache.ik_BKTd is not None:  # indexer: max over each candidate block's index keys
+            scores = indexer_block_scores(rep_q.unsqueeze(3), cache.ik_BKTd[:, :, bs : qb * bs], bs)[:, :, 0]
+        else:
+            scores = torch.einsum("bkd,bknd->bkn", rep_q, cache.kmean_BKnD[:, :, 1:qb])
+        top = scores.topk(n_pick, dim=-1).indices + 1
+        return torch.cat([base, top], dim=-1)
 
 
 def _group_sum(q_BHD: torch.Tensor, K: int) -> torch.Tensor:

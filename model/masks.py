@@ -192,46 +192,73 @@ def batch_layout(
     return BatchLayout(seq_len=S, segments=tuple(segments), slots=slots)
 
 
-@torch.no_grad()
-def select_blocks(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, num_selected: int) -> torch.Tensor:
-    """A B layer's key-block choice per query token and kv head: [B, K, Sp, nb] bool.
+def candidate_blocks(info: MaskInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks a B layer's selector chooses among, per query block: (cand [B, Q, nb] bool,
+    first_run [B, Sp] bool).
 
-    Forced: the query's own block, the first block of its document (an attention sink) and the
-    blocks of its visual block. Chosen by score: the best `num_selected - 1` earlier blocks lying
-    wholly inside the query's document, scored by (summed group queries) . (mean block key). The
-    scoring query is that of the first token of the query's (block, document) run, so the choice
-    depends only on the past of every query that uses it (text stays causal) and never on
-    another document; all tokens of one run share one choice, which keeps the blocks a query block
-    gathers few. No gradient flows through the choice (MoBA style)."""
+    A query block's choice serves the tokens of its first (block, document) run, i.e. the tokens
+    of the document its first token belongs to (`first_run`). Its candidates: the earlier key
+    blocks lying wholly inside that document, other than the document's first block (always kept
+    anyway). A document that starts inside the block has no such earlier block, so the tokens of
+    later runs have no candidates and keep only the forced blocks."""
+    bs, Sp, nb = info.block_size, info.padded_len, info.num_blocks
+    dev = info.doc_BS.device
+    doc_blocks = info.doc_BS.view(-1, nb, bs)
+    block_doc_Bn = torch.where((doc_blocks == doc_blocks[:, :, :1]).all(-1), doc_blocks[:, :, 0],
+                               torch.full_like(doc_blocks[:, :, 0], PAD_DOC))
+    doc_Q = doc_blocks[:, :, 0]  # the document of each query block's first run
+    first_block_Q = info.doc_start_BS.view(-1, nb, bs)[:, :, 0] // bs
+    kb = torch.arange(nb, device=dev)
+    cand = (kb[None, None, :] < kb[None, :, None]) & (block_doc_Bn[:, None, :] == doc_Q[:, :, None])
+    cand &= (doc_Q != PAD_DOC)[:, :, None] & (kb[None, None, :] != first_block_Q[:, :, None])
+    first_run = info.doc_BS == doc_Q.repeat_interleave(bs, dim=1)
+    return cand, first_run
+
+
+def pooled_block_scores(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor) -> torch.Tensor:
+    """The pooled selector's scores [B, K, Q, nb] fp32: each query block's first-token query
+    (summed over the group) against each key block's mean key."""
     bs, Sp, nb = info.block_size, info.padded_len, info.num_blocks
     B, H, S, D = q_BHSD.shape
     K = k_BKSD.shape[1]
-    dev = q_BHSD.device
-    q = torch.zeros(B, K, Sp, D, dtype=torch.float32, device=dev)
-    q[:, :, :S] = q_BHSD.float().view(B, K, H // K, S, D).sum(2)
-    k = torch.zeros(B, K, Sp, D, dtype=torch.float32, device=dev)
+    q_BKQD = q_BHSD[:, :, ::bs].float().view(B, K, H // K, nb, D).sum(2)
+    k = torch.zeros(B, K, Sp, D, dtype=torch.float32, device=k_BKSD.device)
     k[:, :, :S] = k_BKSD.float()
-    kmean_BKnD = k.view(B, K, nb, bs, D).mean(3)
+    return q_BKQD @ k.view(B, K, nb, bs, D).mean(3).transpose(-1, -2)
+
+
+@torch.no_grad()
+def select_blocks(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, num_selected: int,
+                  scores_BKQn: torch.Tensor | None = None) -> torch.Tensor:
+    """A B layer's key-block choice per query token and kv head: [B, K, Sp, nb] bool.
+
+    Forced: the query's own block, the first block of its document (an attention sink) and the
+    blocks of its visual block. Chosen by score: the best `num_selected - 1` of the candidate
+    blocks (`candidate_blocks`: earlier blocks wholly inside the query's document, other than its
+    first). Scores are one per (query block, key block): `scores_BKQn` from the learned indexer
+    (model/indexer.py), or by default the pooled ones (`pooled_block_scores`). They come from the
+    block's first token, so the choice depends only on the past of every query that uses it
+    (text stays causal) and never on another document; all tokens of one run share one choice,
+    which keeps the blocks a query block gathers few. No gradient flows through the choice."""
+    bs, Sp, nb = info.block_size, info.padded_len, info.num_blocks
+    B, K = q_BHSD.shape[0], k_BKSD.shape[1]
+    dev = q_BHSD.device
     idx = torch.arange(Sp, device=dev)
     qb_S = idx // bs
-    doc = info.doc_BS
-    rep_BS = torch.maximum(qb_S * bs, info.doc_start_BS)
-    q_rep = q.gather(2, rep_BS[:, None, :, None].expand(B, K, Sp, D))
     kb = torch.arange(nb, device=dev)
-    doc_blocks = doc.view(B, nb, bs)
-    block_doc_Bn = torch.where((doc_blocks == doc_blocks[:, :, :1]).all(-1), doc_blocks[:, :, 0], torch.full_like(doc_blocks[:, :, 0], PAD_DOC))
-    cand_BSn = (kb[None, None, :] < qb_S[None, :, None]) & (block_doc_Bn[:, None, :] == doc[:, :, None]) & (doc[:, :, None] != PAD_DOC)
     forced_BSn = (kb == qb_S[:, None]) | (kb[None, None, :] == (info.doc_start_BS // bs)[:, :, None])
     forced_BSn |= (kb >= (info.vis_start_BS // bs)[:, :, None]) & (kb <= ((info.vis_end_BS - 1) // bs)[:, :, None])
-    sel = forced_BSn.unsqueeze(1).expand(B, K, Sp, nb).clone()
+    sel = forced_BSn.unsqueeze(1).expand(B, K, Sp, nb)
     n_pick = min(num_selected - 1, nb)
-    if n_pick > 0:
-        scores = q_rep @ kmean_BKnD.transpose(-1, -2)  # [B, K, Sp, nb]
-        scores = scores.masked_fill(~cand_BSn.unsqueeze(1), float("-inf"))
-        top = scores.topk(n_pick, dim=-1).indices
-        hit = torch.zeros_like(sel).scatter_(-1, top, True)
-        sel |= hit & cand_BSn.unsqueeze(1)
-    return sel
+    if n_pick <= 0:
+        return sel.contiguous()
+    if scores_BKQn is None:
+        scores_BKQn = pooled_block_scores(info, q_BHSD, k_BKSD)
+    cand_BQn, first_BS = candidate_blocks(info)
+    scores = scores_BKQn.float().masked_fill(~cand_BQn.unsqueeze(1), float("-inf"))
+    top = scores.topk(n_pick, dim=-1).indices
+    hit_BKQn = torch.zeros(B, K, nb, nb, dtype=torch.bool, device=dev).scatter_(-1, top, True) & cand_BQn.unsqueeze(1)
+    return sel | (hit_BKQn.index_select(2, qb_S) & first_BS[:, None, :, None])
 
 
 def selected_block_slots(info: MaskInfo, sel_BKSn: torch.Tensor, num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

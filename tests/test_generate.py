@@ -29,12 +29,14 @@ def tok(tmp_path_factory):
     return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def tiny_model(tok, backend="blocksparse", pattern="LBG", modality_groups=False, seed=0, kernels="auto"):
+def tiny_model(tok, backend="blocksparse", pattern="LBG", modality_groups=False, seed=0, kernels="auto", selector="pooled",
+               num_selected=2):
     cfg = ModelConfig(
         kernels=kernels,
         dim=32, num_layers=len(pattern), num_heads=4, num_kv_heads=2, vocab_size=tok.vocab_size, patch_token_id=tok.patch_id,
         rope_sections=(2, 2, 4), patch_dim=tok.patch_dim, tubelet_dim=tok.tubelet_dim,
-        attention=AttentionConfig(backend=backend, pattern=pattern, window=WINDOW, block_size=BLOCK, num_selected_blocks=2),
+        attention=AttentionConfig(backend=backend, pattern=pattern, window=WINDOW, block_size=BLOCK, num_selected_blocks=num_selected,
+                                  selector=selector, indexer_dim=8),
         moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=16, num_dense_layers=1, dense_dim=32,
                       modality_groups=modality_groups),
     )
@@ -52,17 +54,18 @@ def image_prompt(tok):
     return p
 
 
-@pytest.mark.parametrize("backend", ["blocksparse", "sdpa"])
-def test_greedy_with_and_without_cache_agree_for_an_image_prompt(tok, image_prompt, backend):
-    model = tiny_model(tok, backend, pattern="LBGB", modality_groups=backend == "sdpa")
+@pytest.mark.parametrize("backend,selector", [("blocksparse", "pooled"), ("sdpa", "pooled"), ("blocksparse", "indexer")])
+def test_greedy_with_and_without_cache_agree_for_an_image_prompt(tok, image_prompt, backend, selector):
+    model = tiny_model(tok, backend, pattern="LBGB", modality_groups=backend == "sdpa", selector=selector, num_selected=3)
     n = 24  # the sequence (prompt 33 + 24) spans 8 key blocks and over 4 windows
     cached = generate(model, image_prompt, max_new_tokens=n, use_cache=True, eos_id=-1)
     full = generate(model, image_prompt, max_new_tokens=n, use_cache=False, eos_id=-1)
     assert cached.ids == full.ids and len(cached.ids) == n
 
 
-def test_cached_logits_match_full_forward_every_step(tok, image_prompt):
-    model = tiny_model(tok, pattern="LBG")
+@pytest.mark.parametrize("selector", ["pooled", "indexer"])
+def test_cached_logits_match_full_forward_every_step(tok, image_prompt, selector):
+    model = tiny_model(tok, pattern="LBG", selector=selector, num_selected=3)
     dec = CachedDecoder(model)
     p = image_prompt
     logits = dec.prefill(p.input_ids, p.positions, p.modality, p.block_ids, p.patches, p.patch_kind)
@@ -78,8 +81,10 @@ def test_cached_logits_match_full_forward_every_step(tok, image_prompt):
     total = p.length + len(new)
     for cache in dec.caches:
         assert cache.num_keys == (WINDOW if cache.kind == "L" else total)
-        if cache.kind == "B":
+        if cache.kind == "B" and selector == "pooled":
             assert cache.kmean_BKnD.shape[2] == total // BLOCK
+        elif cache.kind == "B":  # the index key of every token, and a choice of at most num_selected blocks
+            assert cache.ik_BKTd.shape[2] == total and cache.blocks_BKn.shape[-1] <= 3 + 1  # + the first block
 
 
 def test_video_and_image_prompt(tok):

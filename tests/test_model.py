@@ -33,6 +33,8 @@ def run(model, batch, **kw):
         tiny_cfg(),
         tiny_cfg(moe=MoEConfig(num_experts=6, num_experts_per_token=2, expert_dim=8, num_shared_experts=0, num_dense_layers=0, modality_groups=True)),
         tiny_cfg(moe=MoEConfig(num_experts=0, dense_dim=40), attention=AttentionConfig(qk_norm=False)),
+        tiny_cfg(pattern="LBGB", num_layers=4,
+                 attention=AttentionConfig(pattern="LBGB", selector="indexer", indexer_dim=6, indexer_heads=3)),
     ],
 )
 def test_param_count_from_config_equals_numel(cfg):
@@ -52,12 +54,18 @@ def test_flops_follow_each_layer_kind_sparsity():
     assert accounting.num_active_params(dense) == accounting.num_params(dense) - (12 + 24) * 32
 
 
-def test_sdpa_and_blocksparse_models_agree_forward_and_backward():
+@pytest.mark.parametrize("selector", ["pooled", "indexer"])
+def test_sdpa_and_blocksparse_models_agree_forward_and_backward(selector):
     torch.manual_seed(0)
     batch = random_packed_batch(tiny_cfg(), batch_size=2, seq_len=100, seed=1)
     assert (batch["patch_kind"] == 3).any() and (batch["patch_kind"] == 2).any()
-    ref = OmniModel(tiny_cfg("sdpa"))
-    other = OmniModel(tiny_cfg("blocksparse"))
+
+    def cfg(backend):
+        return tiny_cfg(backend, attention=AttentionConfig(backend=backend, pattern="LBG", window=12, block_size=8,
+                                                           num_selected_blocks=3, selector=selector, indexer_dim=8))
+
+    ref = OmniModel(cfg("sdpa"))
+    other = OmniModel(cfg("blocksparse"))
     other.load_state_dict(ref.state_dict())
     outs = []
     for model in (ref, other):
@@ -71,10 +79,13 @@ def test_sdpa_and_blocksparse_models_agree_forward_and_backward():
         torch.testing.assert_close(gb[name], ga[name], msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.fixture(scope="module")
-def masked_setup():
+@pytest.fixture(scope="module", params=["pooled", "indexer"])
+def masked_setup(request):
+    """The mask tests run through the whole model with either B-layer selector."""
     torch.manual_seed(0)
-    model = OmniModel(tiny_cfg()).eval()
+    att = AttentionConfig(backend="blocksparse", pattern="LBG", window=12, block_size=8, num_selected_blocks=3,
+                          selector=request.param, indexer_dim=8)
+    model = OmniModel(tiny_cfg(attention=att)).eval()
     batch = random_packed_batch(tiny_cfg(), batch_size=1, seq_len=120, docs_per_row=2, seed=2)
     with torch.no_grad():
         logits = run(model, batch, return_logits=True).logits

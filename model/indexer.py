@@ -1,0 +1,170 @@
+"""The learned block selector of `B` layers (model.attention.selector=indexer) and the statistics
+that train and judge any selector: the indexer's KL loss and the coverage of the dense attention.
+
+Legend: B batch, S sequence, Sp padded to the block size bs, K kv heads (GQA groups), Hi index
+heads per group, d index width, Q = Sp / bs query blocks, nb = Sp / bs key blocks, ns sampled
+query blocks, H query heads, G = H / K, D head dim.
+
+Scoring (MSA / DeepSeek-V3.2 style, per GQA group):
+
+    score(query block q, key block n) = mean_h  max_{j in block n}  iq_h(q) . ik(j) / sqrt(d)
+
+where iq_h(q) is index head h's query at the first token of query block q and ik(j) the group's
+index key of token j. Every token of a block's first (block, document) run shares that choice, as
+with the pooled selector (masks.select_blocks), so the choice depends only on the past of every
+query that uses it. The index branch reads the layer's normed input *detached*: it learns only
+from its KL loss, never pushes on the language model.
+
+KL loss (stop-gradient target): for `ns` sampled query blocks, the dense attention this layer
+would compute as a `G` layer (documents, causality, visual blocks) is summed per key block,
+averaged over the block's first-run queries and the group's heads, restricted to the candidate
+blocks (those the selector chooses among) and normalized: t(n). The indexer's distribution is
+the softmax of its block scores over the same candidates: s(n). Loss: KL(t || s), averaged over
+the sampled (row, block, group) triples that have a candidate.
+
+Coverage: the share of that dense attention mass (all blocks, not only candidates) that the
+blocks a query actually attends hold, averaged over the sampled blocks' real tokens and all heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .masks import PAD_DOC, MaskInfo, candidate_blocks, token_mask
+
+SCORE_CHUNK_ELEMENTS = 1 << 26  # block scoring is chunked over query blocks to cap the [.., Q, Sp] scores
+
+
+class BlockIndexer(nn.Module):
+    """Index query heads (`heads` per kv head) and one index key head per kv head, width `dim_idx`."""
+
+    def __init__(self, *, dim: int, num_kv_heads: int, heads: int, dim_idx: int):
+        super().__init__()
+        self.num_kv_heads, self.heads, self.dim_idx = num_kv_heads, heads, dim_idx
+        self.wq = nn.Linear(dim, num_kv_heads * heads * dim_idx, bias=False)
+        self.wk = nn.Linear(dim, num_kv_heads * dim_idx, bias=False)
+
+    def queries(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """Index queries of the given tokens: [B, K, Hi, S, d]."""
+        B, S, _ = x_BSD.shape
+        return self.wq(x_BSD).view(B, S, self.num_kv_heads, self.heads, self.dim_idx).permute(0, 2, 3, 1, 4)
+
+    def keys(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        """Index keys of the given tokens: [B, K, S, d]."""
+        B, S, _ = x_BSD.shape
+        return self.wk(x_BSD).view(B, S, self.num_kv_heads, self.dim_idx).transpose(1, 2)
+
+    def forward(self, x_BSD: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries of every block's first token [B, K, Hi, Q, d], keys of every token [B, K, S, d])."""
+        return self.queries(x_BSD[:, ::block_size]), self.keys(x_BSD)
+
+
+def indexer_block_scores(iq_BKHQd: torch.Tensor, ik_BKSd: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Max-pooled block scores [B, K, Q', nb] (fp32) of Q' index queries against every key block.
+
+    Keys past S (padding of the last block) score -inf, so a block's max is over its real keys.
+    Chunked over the queries: the [.., Q', Sp] token scores never exceed SCORE_CHUNK_ELEMENTS."""
+    B, K, Hi, Qn, d = iq_BKHQd.shape
+    S = ik_BKSd.shape[2]
+    bs = block_size
+    nb = -(-S // bs)
+    Sp = nb * bs
+    k = F.pad(ik_BKSd.float(), (0, 0, 0, Sp - S))
+    real = torch.arange(Sp, device=k.device) < S
+    q = iq_BKHQd.float() * (1.0 / math.sqrt(d))
+    step = max(1, SCORE_CHUNK_ELEMENTS // max(1, B * K * Hi * Sp))
+    out = []
+    for c0 in range(0, Qn, step):
+        s = torch.einsum("bkhqd,bksd->bkhqs", q[:, :, :, c0 : c0 + step], k)
+        s = s.masked_fill(~real, float("-inf"))
+        out.append(s.view(B, K, Hi, -1, nb, bs).amax(-1).mean(2))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def sampled_query_blocks(num_blocks: int, num_samples: int) -> list[int]:
+    """Query blocks whose dense attention the statistics compute: `num_samples` evenly spaced
+    over the row, the last block always among them (later blocks have the most candidates).
+    Chosen from shapes alone (host ints), so the sample costs no device read."""
+    if num_samples >= num_blocks:
+        return list(range(num_blocks))
+    if num_samples == 1:
+        return [num_blocks - 1]
+    step = (num_blocks - 1) / (num_samples - 1)
+    return sorted({round(i * step) for i in range(num_samples)})
+
+
+def dense_block_mass(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """The dense (G-rule) attention probability of each sampled query token summed per key
+    block, no gradient: [B, H, ns * bs, nb] fp32. Rows of padding queries are garbage (callers
+    weigh them out)."""
+    bs, Sp, nb = info.block_size, info.padded_len, info.num_blocks
+    B, H, S, D = q_BHSD.shape
+    K = k_BKSD.shape[1]
+    dev = q_BHSD.device
+    with torch.no_grad():
+        tok = (torch.tensor(blocks, device=dev)[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+        q = F.pad(q_BHSD.detach().float(), (0, 0, 0, Sp - S)).index_select(2, tok)
+        k = F.pad(k_BKSD.detach().float(), (0, 0, 0, Sp - S))
+        k = k.repeat_interleave(H // K, dim=1)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * (1.0 / math.sqrt(D))
+        idx = torch.arange(Sp, device=dev)
+        doc, vis = info.doc_BS, info.vis_BS
+        allowed = token_mask(doc[:, tok, None], vis[:, tok, None], tok[None, :, None],
+                             doc[:, None, :], vis[:, None, :], idx[None, None, :], "G", info.window)
+        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return probs.view(B, H, len(blocks) * bs, nb, bs).sum(-1)
+
+
+def selector_stats(
+    info: MaskInfo,
+    q_BHSD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    sel_BKSn: torch.Tensor,
+    num_samples: int,
+    index: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """`coverage` (detached scalar) of a B layer's selection `sel_BKSn` and, with `index` = the
+    indexer's (block-start queries [B, K, Hi, Q, d], keys [B, K, S, d]) carrying gradient, its
+    `kl` loss (scalar with gradient). Both over `sampled_query_blocks(Q, num_samples)`."""
+    bs, nb = info.block_size, info.num_blocks
+    B, H, S, _ = q_BHSD.shape
+    K = k_BKSD.shape[1]
+    G = H // K
+    dev = q_BHSD.device
+    blocks = sampled_query_blocks(nb, num_samples)
+    ns = len(blocks)
+    blk = torch.tensor(blocks, device=dev)
+    tok = (blk[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)  # [ns * bs]
+    mass = dense_block_mass(info, q_BHSD, k_BKSD, blocks)  # [B, H, ns*bs, nb]
+    real = (info.doc_BS[:, tok] != PAD_DOC) & (tok < S)  # [B, ns*bs]
+    with torch.no_grad():
+        sel = sel_BKSn.index_select(2, tok).repeat_interleave(G, dim=1)  # [B, H, ns*bs, nb]
+        held = (mass * sel).sum(-1)  # [B, H, ns*bs]
+        w = real.unsqueeze(1).float()
+        coverage = (held * w).sum() / (w.sum() * H).clamp(min=1.0)
+    out = {"coverage": coverage}
+    if index is None:
+        return out
+    iq_BKHQd, ik_BKSd = index
+    cand_BQn, first_BS = candidate_blocks(info)
+    cand = cand_BQn.index_select(1, blk)  # [B, ns, nb]
+    with torch.no_grad():
+        # the target: mass of the block's first-run queries, mean over them and the group's heads
+        run = (first_BS[:, tok] & real).view(B, 1, ns, bs).float()  # [B, 1, ns, bs]
+        m = mass.view(B, K, G, ns, bs, nb).mean(2)  # [B, K, ns, bs, nb]
+        m = (m * run.unsqueeze(-1)).sum(3) * cand.unsqueeze(1)  # [B, K, ns, nb]
+        total = m.sum(-1, keepdim=True)
+        target = m / total.clamp(min=1e-30)
+        weight = (cand.any(-1).unsqueeze(1) & (run.sum(3) > 0)).float()  # [B, K?=1, ns]
+        weight = weight.expand(B, K, ns)
+    scores = indexer_block_scores(iq_BKHQd.index_select(3, blk), ik_BKSd, bs)  # [B, K, ns, nb] with grad
+    logp = torch.log_softmax(scores.masked_fill(~cand.unsqueeze(1), float("-inf")), dim=-1)
+    logp = torch.where(cand.unsqueeze(1), logp, torch.zeros_like(logp))
+    kl_BKs = (torch.xlogy(target, target) - target * logp).sum(-1)
+    out["kl"] = (kl_BKs * weight).sum() / weight.sum().clamp(min=1.0)
+    return out
