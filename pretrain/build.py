@@ -120,6 +120,9 @@ class StepStats:
     count_M: torch.Tensor
     out_norm: torch.Tensor
     expert_counts_LME: torch.Tensor | None
+    indexer_loss: torch.Tensor | None = None  # the B layers' selector statistics, when the model computed them
+    indexer_kl: torch.Tensor | None = None  # [nB]
+    block_coverage: torch.Tensor | None = None  # [nB]
 
 
 def read_output(out) -> tuple[torch.Tensor, StepStats]:
@@ -149,16 +152,21 @@ def read_output(out) -> tuple[torch.Tensor, StepStats]:
         out_norm=scalar("output_rms"),
         expert_counts_LME=None if counts is None else counts.detach().float(),
     )
+    for name in ("indexer_loss", "indexer_kl", "block_coverage"):
+        v = _first(out, (name,))
+        if v is not None:
+            setattr(stats, name, v.detach().float())
     return loss, stats
 
 
 def split_loss(out, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-token part, per-batch part) of `loss`, both with gradient. The per-batch part is the
-    MoE auxiliary and router z-losses (means over every routed token, present or not); the rest
+    MoE auxiliary and router z-losses (means over every routed token, present or not) and the
+    attention indexer's KL loss (a mean over sampled query blocks); the rest
     (CE and z-loss, means over the tokens with a label) is what the trainer re-weights so that a
     step's loss is the mean over every labelled token of the global batch, not a mean of means."""
     other = loss.new_zeros(())
-    for name in ("aux_loss", "router_z_loss"):
+    for name in ("aux_loss", "router_z_loss", "indexer_loss"):
         v = _first(out, (name,))
         if v is not None:
             other = other + v.reshape(())

@@ -132,9 +132,10 @@ def resample_patches(patches_ND: np.ndarray, grid: tuple[int, int, int], target:
 
 
 @torch.no_grad()
-def _token_losses(model, doc, max_len: int, patch_width: int):
+def _token_losses(model, doc, max_len: int, patch_width: int, coverage: list | None = None):
     """Per-target CE [L], target modality [L] and has-a-label mask [L] for one document, scored in
-    pieces of at most `max_len` tokens cut as training cuts them (positions restart per piece)."""
+    pieces of at most `max_len` tokens cut as training cuts them (positions restart per piece).
+    `coverage`: gets (B-layer coverage [nB], piece length) per piece when the model measures it."""
     from omniloom.data.batch import collate_rows
     from omniloom.data.packing import split_document
     from omniloom.tokenizers.layout import PAD_ID
@@ -147,6 +148,8 @@ def _token_losses(model, doc, max_len: int, patch_width: int):
         layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
         batch = batch.to(dev)
         out = model(**batch.as_dict(), return_logits=True, **({"layout": layout} if layout is not None else {}))
+        if coverage is not None and getattr(out, "block_coverage", None) is not None:
+            coverage.append((out.block_coverage.double().cpu(), len(piece)))
         labels = batch.labels[0]
         ces.append(F.cross_entropy(out.logits[0].float(), labels.clamp(min=0), reduction="none").cpu())
         valids.append((labels != -100).cpu())
@@ -182,6 +185,10 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
     total = min(available, max_docs) if max_docs else available
     patch_width = max(tokenizer.patch_dim, tokenizer.tubelet_dim)
     model.eval()
+    b_layers = [i for i, k in enumerate(model.cfg.layer_kinds()) if k == "B"] if hasattr(getattr(model, "cfg", None), "layer_kinds") else []
+    coverage: list = []
+    if b_layers:
+        model.measure_attention = True  # B layers report their coverage of the dense attention
     skipped: Counter = Counter()
     by_mod, by_kind, gap = _Sums(), _Sums(), {"own": _Sums(), "donor": _Sums()}
     counts: Counter = Counter()
@@ -228,7 +235,7 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
             log.warning("skipping document %d: %s", index, err)
             continue
         try:
-            ce, tmod, valid = _token_losses(model, doc, max_len, patch_width)
+            ce, tmod, valid = _token_losses(model, doc, max_len, patch_width, coverage)
         except PackingError as err:
             skipped[err.reason] += 1
             continue
@@ -268,6 +275,14 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
                    **{k: v for k, v in sorted(counts.items()) if k != "docs"},
                    "tokens": dict(by_mod.n), "skipped": dict(skipped)},
     }
+    if b_layers:
+        model.measure_attention = False
+    if coverage:
+        # the share of the dense attention mass the B layers' selected blocks hold (sampled query
+        # blocks, mean over tokens and heads), per B layer, weighted by piece length
+        w = sum(n for _, n in coverage)
+        cov = sum(c * n for c, n in coverage) / w
+        result["block_coverage"] = {**{f"layer{i}": float(c) for i, c in zip(b_layers, cov)}, "mean": float(cov.mean())}
     for kind in ("image", "video", "mixed"):
         own, donor = gap["own"].mean(kind), gap["donor"].mean(kind)
         value = None if own is None or donor is None else donor - own

@@ -58,6 +58,10 @@ def _eval(args) -> int:
     gap = result["cross_modal_gap"]
     print("cross-modal gap (nats/token, donor visual - own visual): "
           + ", ".join(f"{k}={'n/a' if v is None else f'{v:+.4f}'}" for k, v in gap.items()))
+    cov = result.get("block_coverage")
+    if cov:
+        print("B-layer coverage (dense attention mass in the selected blocks): "
+              + ", ".join(f"{k}={v:.3f}" for k, v in cov.items()))
     if args.out:
         print(f"wrote {args.out}")
     elif not args.quiet:

@@ -42,8 +42,8 @@ log = logging.getLogger("omniloom.train")
 
 # One all-reduced vector per step: the MEAN_KEYS (weighted per micro-batch so that their sum over
 # micro-batches and ranks is the step's mean), the SUM_KEYS, then the per-modality CE sums and
-# label counts (summed).
-MEAN_KEYS = ("loss", "ce_loss", "z_loss", "aux_loss", "router_z_loss", "out_norm")
+# label counts (summed), then per B layer the indexer's KL and the selection's coverage (means).
+MEAN_KEYS = ("loss", "ce_loss", "z_loss", "aux_loss", "router_z_loss", "out_norm", "indexer_loss")
 SUM_KEYS = ("stop", "tokens")
 _NSCALAR = len(MEAN_KEYS) + len(SUM_KEYS)
 _STOP = len(MEAN_KEYS) + SUM_KEYS.index("stop")
@@ -120,6 +120,9 @@ class Trainer:
         seed_everything(cfg.train.seed)
         model = build_model(cfg)
         self.flops_per_token = B.model_flops_per_token(model, cfg.data.seq_len)
+        kinds = model.cfg.layer_kinds() if hasattr(getattr(model, "cfg", None), "layer_kinds") else []
+        self.b_layers = [i for i, kind in enumerate(kinds) if kind == "B"]  # B-layer statistics are logged per layer
+        self.has_indexer = bool(getattr(model.cfg, "has_indexer", False)) if kinds else False
         model = apply_parallelism(model, cfg.train, self.acc, expert_parallel=cfg.model.moe.expert_parallel)
         self.ep = find_plan(model)  # the expert-parallel plan, None without expert parallelism
         model = model.to(self.device)
@@ -215,6 +218,7 @@ class Trainer:
     def run_step(self) -> tuple[dict, torch.Tensor | None, float]:
         """One optimizer step: micro-batches, guard, update, router biases, schedule. Returns the
         step's all-reduced statistics, the expert counts and the learning rate it used."""
+        self._attention_schedule()
         step_vec, counts_LME = self._train_step()
         stats = self._unpack(step_vec)
         ok = self.guard.check(self.step + 1, stats["loss"], stats["grad_norm"], self.last_checkpoint)
@@ -248,7 +252,9 @@ class Trainer:
                 n_global = float(acc.reduce(torch.tensor(float(sum(n_local)), device=self.device), reduction="sum"))
             else:
                 n_global = float(sum(n_local))
-        acc_vec = torch.zeros(_NSCALAR + 2 * B.NUM_MODALITIES, device=self.device)
+        nb_layers = len(self.b_layers)
+        acc_vec = torch.zeros(_NSCALAR + 2 * B.NUM_MODALITIES + 2 * nb_layers, device=self.device)
+        attn_at = _NSCALAR + 2 * B.NUM_MODALITIES
         counts_LME = None
         for micro, (batch, layout, _) in enumerate(staged):
             w_tok = n_local[micro] / n_global if n_global > 0 else 0.0  # this micro-batch's share of the labels
@@ -263,12 +269,18 @@ class Trainer:
                     acc.backward(tok_loss * (w_tok * world) + batch_loss / accum)
             # summed over micro-batches and ranks below: token terms by label share, the rest averaged
             tok = torch.stack([tok_loss.detach().float(), st.ce_loss, st.z_loss]).to(self.device) * w_tok
+            idx_loss = st.indexer_loss if st.indexer_loss is not None else torch.zeros((), device=self.device)
             per_batch = torch.stack([batch_loss.detach().float(), st.aux_loss, st.router_z_loss,
-                                     st.out_norm]).to(self.device) / (accum * world)
-            means = torch.stack([tok[0] + per_batch[0], tok[1], tok[2], per_batch[1], per_batch[2], per_batch[3]])
+                                     st.out_norm, idx_loss.to(self.device)]).to(self.device) / (accum * world)
+            means = torch.stack([tok[0] + per_batch[0], tok[1], tok[2], per_batch[1], per_batch[2], per_batch[3],
+                                 per_batch[4]])
             acc_vec[: len(MEAN_KEYS)] += means
             acc_vec[_TOKENS] += float(batch.input_ids.numel())  # a scalar argument: no host-to-device copy
-            acc_vec[_NSCALAR:] += torch.cat([st.ce_sum_M.to(self.device), st.count_M.to(self.device)])
+            acc_vec[_NSCALAR:attn_at] += torch.cat([st.ce_sum_M.to(self.device), st.count_M.to(self.device)])
+            if nb_layers and st.indexer_kl is not None:
+                acc_vec[attn_at:attn_at + nb_layers] += st.indexer_kl.to(self.device) / (accum * world)
+            if nb_layers and st.block_coverage is not None:
+                acc_vec[attn_at + nb_layers:] += st.block_coverage.to(self.device) / (accum * world)
             if st.expert_counts_LME is not None:
                 counts_LME = st.expert_counts_LME if counts_LME is None else counts_LME + st.expert_counts_LME
         with self.timer.phase("optimizer"):
@@ -280,6 +292,21 @@ class Trainer:
         # the gradient norm travels with the step vector: one device-to-host read per step
         norm = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(float("nan") if grad_norm is None else grad_norm)
         return torch.cat([reduced, norm.detach().float().reshape(1).to(reduced.device)]), counts_LME
+
+    def _attention_schedule(self) -> None:
+        """model.attention.dense_warmup_steps: B layers attend densely before that step, sparsely
+        from it on (OmniModel.set_step); the switch is logged."""
+        model = self.acc.unwrap_model(self.model)
+        set_step = getattr(model, "set_step", None)
+        if not callable(set_step) or not self.b_layers or not set_step(self.step):
+            return
+        warmup = model.cfg.attention.dense_warmup_steps
+        if model.dense_b_layers:
+            log.info("step %d: B layers %s attend densely until step %d (model.attention.dense_warmup_steps); "
+                     "the %s selector learns meanwhile", self.step + 1, self.b_layers, warmup, model.cfg.attention.selector)
+        else:
+            log.info("step %d: dense warm-up over: B layers %s now attend only their selected blocks (%s selector)",
+                     self.step + 1, self.b_layers, model.cfg.attention.selector)
 
     def _clip_gradients(self) -> torch.Tensor | float | None:
         """Clip by the global gradient norm and return it. With expert parallelism the expert
@@ -348,8 +375,10 @@ class Trainer:
         v = vec.detach().double().cpu()
         m = B.NUM_MODALITIES
         out = {k: float(v[i]) for i, k in enumerate(MEAN_KEYS + SUM_KEYS)}
-        out.update(ce_sum_M=v[_NSCALAR:_NSCALAR + m], count_M=v[_NSCALAR + m:_NSCALAR + 2 * m],
-                   grad_norm=float(v[_NSCALAR + 2 * m]))
+        n = len(self.b_layers)
+        at = _NSCALAR + 2 * m
+        out.update(ce_sum_M=v[_NSCALAR:_NSCALAR + m], count_M=v[_NSCALAR + m:at],
+                   indexer_kl=v[at:at + n], coverage=v[at + n:at + 2 * n], grad_norm=float(v[at + 2 * n]))
         return out
 
     def _update_router_biases(self, counts_LME: torch.Tensor | None) -> None:
@@ -377,6 +406,11 @@ class Trainer:
         n = max(1, w.steps)
         out = {k: w.sums[k] / n for k in ("ce_loss", "z_loss", "aux_loss", "router_z_loss")}
         out["final_out_rms"] = w.sums["out_norm"] / n
+        if self.has_indexer:  # the learned B-layer selector: its loss, KL and coverage per layer
+            out["indexer/loss"] = w.sums["indexer_loss"] / n
+            for j, layer in enumerate(self.b_layers):
+                out[f"indexer/kl_layer{layer}"] = float(w.indexer_kl[j]) / n
+                out[f"attn/coverage_layer{layer}"] = float(w.coverage[j]) / n
         out.update(per_modality_losses(w.ce_sum_M, w.count_M, "loss"))
         tokens_per_s = w.tokens / max(w.wall, 1e-9)
         out["tokens_per_s"] = tokens_per_s
@@ -444,8 +478,11 @@ class Trainer:
                 log.warning("train.eval_every is set but data.eval_sources is empty: no evaluation")
                 return {}
             self.model.eval()
-            m = B.NUM_MODALITIES
-            vec = torch.zeros(2 * m + 2, device=self.device)
+            m, nb_layers = B.NUM_MODALITIES, len(self.b_layers)
+            unwrapped = self.acc.unwrap_model(self.model)
+            if nb_layers:
+                unwrapped.measure_attention = True  # the B layers' coverage of the dense attention
+            vec = torch.zeros(2 * m + 2 + nb_layers + 1, device=self.device)
             for i, batch in enumerate(self._lockstep(loader)):
                 if i >= self.cfg.train.eval_steps:
                     break
@@ -454,13 +491,22 @@ class Trainer:
                 _, st = B.read_output(B.forward(self.model, batch.to(self.device), layout=layout))
                 # eval/loss weighs each batch by its labels (a token mean, as in training), not 1 per batch
                 n = st.count_M.sum().to(self.device)
-                vec += torch.cat([st.ce_sum_M.to(self.device), st.count_M.to(self.device),
-                                  torch.stack([st.loss.to(self.device) * n, n])])
+                vec[: 2 * m + 2] += torch.cat([st.ce_sum_M.to(self.device), st.count_M.to(self.device),
+                                               torch.stack([st.loss.to(self.device) * n, n])])
+                if nb_layers and st.block_coverage is not None:
+                    vec[2 * m + 2:-1] += st.block_coverage.to(self.device)
+                    vec[-1] += 1.0
+            unwrapped.measure_attention = False
             self.model.train()
         vec = self.acc.reduce(vec, reduction="sum").double().cpu()
         out = per_modality_losses(vec[:m], vec[m:2 * m], "eval/loss")
-        if vec[-1] > 0:
-            out["eval/loss"] = float(vec[-2] / vec[-1])
+        if vec[2 * m + 1] > 0:
+            out["eval/loss"] = float(vec[2 * m] / vec[2 * m + 1])
+        if nb_layers and vec[-1] > 0:
+            cov = vec[2 * m + 2:-1] / vec[-1]
+            for layer, c in zip(self.b_layers, cov.tolist()):
+                out[f"eval/coverage_layer{layer}"] = c
+            out["eval/coverage"] = float(cov.mean())
         log.info("eval at step %d: %s", self.step, {k: round(v, 4) for k, v in out.items()})
         return out
 
@@ -488,6 +534,7 @@ class _Window:
         self.ce_sum_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
         self.count_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
         self.counts_LME = None
+        self.indexer_kl = self.coverage = None
         self.phases: dict[str, float] = {}
 
     def add(self, stats: dict, counts_LME, wall: float, phases: dict) -> None:
@@ -498,6 +545,8 @@ class _Window:
             self.sums[k] += stats[k]
         self.ce_sum_M += stats["ce_sum_M"]
         self.count_M += stats["count_M"]
+        self.indexer_kl = stats["indexer_kl"] if self.indexer_kl is None else self.indexer_kl + stats["indexer_kl"]
+        self.coverage = stats["coverage"] if self.coverage is None else self.coverage + stats["coverage"]
         if counts_LME is not None:  # summed on the device; read once, at the log line
             c = counts_LME.detach().double()
             self.counts_LME = c if self.counts_LME is None else self.counts_LME + c

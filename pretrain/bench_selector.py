@@ -1,0 +1,173 @@
+"""Train the same tiny model three ways on a long-range recall task and compare the B-layer
+selectors: a dense reference (pattern `LG`), `B` layers with the pooled selector and `B` layers
+with the learned indexer (pattern `LB`, same dense warm-up for both).
+
+    python -m omniloom.pretrain.bench_selector [--steps 400] [--seq-len 1024] [--warmup 150]
+
+The task (synthetic, so the run needs no data and the answer is known): each row is one document,
+a memory of `payload marker` pairs with markers unique in the row, then queries `marker payload`
+asking for the payload stored with that marker hundreds of tokens earlier. A query can be answered
+only by attending to the one key block that holds its marker: the selector must find it among
+all earlier blocks. Printed per variant: held-out loss (all tokens), held-out recall loss (the
+queried payloads only), and for B layers the coverage of the dense attention mass by the selected
+blocks and the indexer's KL at the start and the end of training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+VOCAB, N_PAYLOAD, MARKER0 = 1024, 256, 512  # payloads [0, 256), markers [512, 1024)
+
+
+def recall_batch(batch_size: int, seq_len: int, n_query: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """PackedBatch fields of `batch_size` recall rows (text only, one document per row), plus
+    `recall_mask` [B, S]: the label positions of the queried payloads."""
+    n_mem = (seq_len - 2 * n_query) // 2
+    if n_mem < n_query or n_mem > VOCAB - MARKER0:
+        raise ValueError(f"seq_len {seq_len}: the memory holds {n_mem} pairs; need {n_query} to {VOCAB - MARKER0}")
+    ids = torch.empty(batch_size, seq_len, dtype=torch.long)
+    for b in range(batch_size):
+        markers = MARKER0 + torch.randperm(VOCAB - MARKER0, generator=generator)[:n_mem]
+        payload = torch.randint(0, N_PAYLOAD, (n_mem,), generator=generator)
+        mem = torch.stack([payload, markers], dim=1).reshape(-1)  # p m p m ...
+        ask = torch.randint(0, n_mem, (n_query,), generator=generator)
+        qry = torch.stack([markers[ask], payload[ask]], dim=1).reshape(-1)  # m p m p ...
+        row = torch.cat([mem, qry])
+        ids[b, : row.numel()] = row
+        ids[b, row.numel():] = payload[0]  # a short tail when seq_len is odd
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    recall = torch.zeros_like(ids, dtype=torch.bool)
+    start = 2 * n_mem
+    recall[:, start: start + 2 * n_query: 2] = True  # a query marker: its label is the payload
+    pos = torch.arange(seq_len).expand(batch_size, seq_len)
+    return {
+        "input_ids": ids, "labels": labels, "positions": pos.unsqueeze(1).expand(batch_size, 3, seq_len).to(torch.int32),
+        "doc_ids": torch.zeros(batch_size, seq_len, dtype=torch.int32),
+        "block_ids": torch.full((batch_size, seq_len), -1, dtype=torch.int32),
+        "modality": torch.zeros(batch_size, seq_len, dtype=torch.uint8),
+        "patches": torch.zeros(0, 8), "patch_kind": torch.zeros(0, dtype=torch.uint8), "recall_mask": recall,
+    }
+
+
+def make_model(pattern: str, selector: str, args):
+    from omniloom.model import OmniModel
+    from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
+
+    cfg = ModelConfig(
+        dim=args.dim, num_layers=len(pattern), num_heads=4, num_kv_heads=2, vocab_size=VOCAB, patch_token_id=-1,
+        rope_sections=(args.dim // 4 // 4 * 2, args.dim // 4 // 4 * 2, args.dim // 4 - 2 * (args.dim // 4 // 4 * 2)),
+        patch_dim=8, tubelet_dim=8, z_loss_coef=0.0,
+        attention=AttentionConfig(backend="blocksparse", pattern=pattern, window=args.window, block_size=args.block_size,
+                                  num_selected_blocks=args.num_selected, selector=selector, indexer_dim=32, indexer_heads=2,
+                                  dense_warmup_steps=args.warmup, indexer_loss_coef=1.0),
+        moe=MoEConfig(num_experts=0, dense_dim=4 * args.dim, num_dense_layers=len(pattern)),
+    )
+    torch.manual_seed(args.seed)
+    return OmniModel(cfg)
+
+
+def _forward(model, batch, measure: bool = False):
+    model.measure_attention = measure
+    fields = {k: v for k, v in batch.items() if k != "recall_mask"}
+    out = model(**fields, return_logits=measure)
+    model.measure_attention = False
+    return out
+
+
+@torch.no_grad()
+def held_out(model, batches) -> dict:
+    model.eval()
+    ce = rec = n = nr = 0.0
+    cov = []
+    for batch in batches:
+        out = _forward(model, batch, measure=True)
+        labels = batch["labels"]
+        lp = torch.log_softmax(out.logits.float(), -1)
+        tok = -lp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        valid = labels != -100
+        ce += float(tok[valid].sum())
+        n += float(valid.sum())
+        rec += float(tok[batch["recall_mask"]].sum())
+        nr += float(batch["recall_mask"].sum())
+        if out.block_coverage is not None:
+            cov.append(out.block_coverage)
+    model.train()
+    res = {"loss": ce / n, "recall_loss": rec / nr}
+    if cov:
+        res["coverage"] = [round(float(c), 4) for c in torch.stack(cov).mean(0)]
+    return res
+
+
+def train_variant(name: str, pattern: str, selector: str, args, eval_batches) -> dict:
+    model = make_model(pattern, selector, args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    g = torch.Generator().manual_seed(args.seed + 1)
+    kl_trace = []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        model.set_step(step)
+        batch = recall_batch(args.batch_size, args.seq_len, args.n_query, g)
+        out = _forward(model, batch)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        if out.indexer_kl is not None:
+            kl_trace.append(float(out.indexer_kl.mean()))
+        if args.verbose and step % 50 == 0:
+            print(f"  {name} step {step} loss {float(out.ce_loss.detach()):.4f}" + (f" kl {kl_trace[-1]:.4f}" if kl_trace else ""), flush=True)
+    model.set_step(args.steps)
+    res = {"variant": name, "pattern": pattern, "selector": selector if "B" in pattern else "-",
+           "train_s": round(time.perf_counter() - t0, 1), **held_out(model, eval_batches)}
+    if kl_trace:
+        k = max(1, len(kl_trace) // 10)
+        res["kl_first"] = round(sum(kl_trace[:k]) / k, 4)
+        res["kl_last"] = round(sum(kl_trace[-k:]) / k, 4)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m omniloom.pretrain.bench_selector", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup", type=int, default=150, help="dense warm-up steps of the B variants")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--n-query", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--num-selected", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", default="dense,pooled,indexer")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    g = torch.Generator().manual_seed(12345)
+    eval_batches = [recall_batch(args.batch_size, args.seq_len, args.n_query, g) for _ in range(4)]
+    specs = {"dense": ("LG", "pooled"), "pooled": ("LB", "pooled"), "indexer": ("LB", "indexer")}
+    rows = []
+    for name in args.variants.split(","):
+        pattern, selector = specs[name]
+        rows.append(train_variant(name, pattern, selector, args, eval_batches))
+        print("BENCH_SELECTOR " + json.dumps(rows[-1]), flush=True)
+    dense = next((r for r in rows if r["variant"] == "dense"), None)
+    if dense is not None:
+        for r in rows:
+            if r is not dense:
+                print(f"{r['variant']}: held-out loss {r['loss']:.4f} = {r['loss'] / dense['loss']:.3f}x dense; "
+                      f"recall loss {r['recall_loss']:.4f} (dense {dense['recall_loss']:.4f}); coverage {r.get('coverage')}"
+                      + (f"; KL {r['kl_first']} -> {r['kl_last']}" if "kl_first" in r else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,105 @@
+"""The learned B-layer selector (model.attention.selector=indexer): its loss trains only the index
+branch and falls, coverage means what it says, the dense warm-up is G attention, and the
+trainer logs the switch and the per-layer statistics. (The selection itself against an
+independent float64 reference: tests/test_indexer_reference.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from omniloom.model import OmniModel
+from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
+from omniloom.model.indexer import sampled_query_blocks
+from omniloom.model.synthetic import random_packed_batch
+from omniloom.pretrain.bench_selector import recall_batch
+
+
+def cfg_for(selector="indexer", pattern="LB", num_selected=3, warmup=0, **att) -> ModelConfig:
+    return ModelConfig(
+        dim=32, num_layers=len(pattern), num_heads=4, num_kv_heads=2, vocab_size=1024, patch_token_id=1000,
+        rope_sections=(2, 2, 4), patch_dim=12, tubelet_dim=24,
+        attention=AttentionConfig(backend="blocksparse", pattern=pattern, window=16, block_size=8, num_selected_blocks=num_selected,
+                                  selector=selector, indexer_dim=8, dense_warmup_steps=warmup, **att),
+        moe=MoEConfig(num_experts=0, dense_dim=64, num_dense_layers=len(pattern)),
+    )
+
+
+def _fields(batch):
+    return {k: v for k, v in batch.items() if k != "recall_mask"}
+
+
+def test_indexer_loss_trains_only_the_index_branch():
+    torch.manual_seed(0)
+    model = OmniModel(cfg_for())
+    batch = random_packed_batch(model.cfg, batch_size=2, seq_len=96, seed=1)
+    out = model(**batch)
+    assert out.indexer_loss is not None and out.indexer_kl.shape == (1,) and out.block_coverage.shape == (1,)
+    grads = torch.autograd.grad(out.indexer_loss, [p for _, p in model.named_parameters()], allow_unused=True)
+    for (name, _), g in zip(model.named_parameters(), grads):
+        if ".indexer." in name:
+            assert g is not None and g.abs().sum() > 0, name
+        else:  # the index branch reads its input detached: no push on the language model
+            assert g is None or not g.any(), name
+
+
+def test_kl_falls_when_the_index_branch_learns_a_fixed_attention():
+    """With the language model frozen and its B layer's attention made sharp, training only the
+    index branch on recall rows drives its KL to the dense block mass well down."""
+    torch.manual_seed(0)
+    model = OmniModel(cfg_for(num_selected=2, indexer_sample_blocks=8))
+    with torch.no_grad():
+        model.layers[1].attn.wq.weight.mul_(8.0)  # sharp dense attention: a target worth matching
+    params = [p for n, p in model.named_parameters() if ".indexer." in n]
+    for n, p in model.named_parameters():
+        p.requires_grad_(".indexer." in n)
+    opt = torch.optim.Adam(params, lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    batches = [recall_batch(2, 256, 16, g) for _ in range(4)]
+    kls = []
+    for step in range(60):
+        out = model(**_fields(batches[step % 4]))
+        out.indexer_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        kls.append(float(out.indexer_kl[0]))
+    first, last = sum(kls[:4]) / 4, sum(kls[-4:]) / 4
+    assert last < 0.5 * first, (first, last)
+
+
+def test_coverage_is_one_when_every_block_is_selected_and_below_one_otherwise():
+    torch.manual_seed(0)
+    batch = random_packed_batch(cfg_for(), batch_size=2, seq_len=128, docs_per_row=1, visual=False, pad=0, seed=3)
+    full = OmniModel(cfg_for(selector="pooled", num_selected=64))
+    full.measure_attention = True
+    with torch.no_grad():
+        cov = full(**batch).block_coverage
+    torch.testing.assert_close(cov, torch.ones(1))
+    sparse = OmniModel(cfg_for(selector="pooled", num_selected=2))
+    sparse.load_state_dict(full.state_dict())
+    sparse.measure_attention = True
+    with torch.no_grad():
+        cov = float(sparse(**batch).block_coverage[0])
+    assert 0.2 < cov < 1.0
+
+
+def test_dense_warmup_is_g_attention_then_switches():
+    torch.manual_seed(0)
+    batch = random_packed_batch(cfg_for(), batch_size=2, seq_len=96, seed=2)
+    warm = OmniModel(cfg_for(warmup=5)).eval()
+    dense = OmniModel(dataclasses.replace(cfg_for(pattern="LG"))).eval()
+    dense.load_state_dict(warm.state_dict(), strict=False)  # G has no index branch
+    assert warm.set_step(0) and warm.dense_b_layers
+    assert not warm.set_step(4)
+    with torch.no_grad():
+        torch.testing.assert_close(warm(**batch, return_logits=True).logits, dense(**batch, return_logits=True).logits)
+    assert warm.set_step(5) and not warm.dense_b_layers
+    with torch.no_grad():
+        assert not torch.allclose(warm(**batch, return_logits=True).logits, dense(**batch, return_logits=True).logits)
+
+
+def test_sampled_query_blocks_are_spread_and_include_the_last():
+    assert sampled_query_blocks(4, 16) == [0, 1, 2, 3]
+    got = sampled_query_blocks(100, 5)
+    assert got == [0, 25, 50, 74, 99] and sampled_query_blocks(100, 1) == [99]
