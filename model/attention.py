@@ -25,7 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .indexer import BlockIndexer, indexer_block_scores, selector_stats
-from .masks import BatchLayout, MaskInfo, batch_layout, block_ranges, dense_mask, select_blocks, selected_block_slots, token_mask
+from .masks import (BatchLayout, MaskInfo, Selection, batch_layout, block_ranges, dense_mask, select_blocks_compact,
+                    selected_block_slots, token_mask)
 
 log = logging.getLogger(__name__)
 BACKENDS = ("sdpa", "blocksparse", "flex", "flash")
@@ -45,7 +46,7 @@ def check_backend(name: str) -> None:
 
 
 def gathered_mask(
-    info: MaskInfo, kind: str, kv_idx: torch.Tensor, valid: torch.Tensor, sel_BKSn: torch.Tensor | None = None
+    info: MaskInfo, kind: str, kv_idx: torch.Tensor, valid: torch.Tensor, sel: "Selection | torch.Tensor | None" = None
 ) -> torch.Tensor:
     """The rule evaluated on the gathered keys: [B, 1 or K, Q, bs, N * bs] bool.
 
@@ -61,9 +62,11 @@ def gathered_mask(
     vis_q = info.vis_BS.view(B, 1, Q, bs, 1)
     mask = token_mask(doc_q, vis_q, idx_q, doc_k, vis_k, tok_j.unsqueeze(3), kind, info.window)
     mask = mask & valid.repeat_interleave(bs, dim=-1).unsqueeze(3)
-    if sel_BKSn is not None:
-        K, nb = sel_BKSn.shape[1], sel_BKSn.shape[-1]
-        sel_q = sel_BKSn.view(B, K, Q, bs, nb).gather(4, kv_idx.expand(B, K, Q, N).unsqueeze(3).expand(B, K, Q, bs, N))
+    if isinstance(sel, Selection):
+        mask = mask & sel.at_slots(kv_idx.expand(B, sel.hit_BKQn.shape[1], Q, N)).repeat_interleave(bs, dim=-1)
+    elif sel is not None:
+        K, nb = sel.shape[1], sel.shape[-1]
+        sel_q = sel.view(B, K, Q, bs, nb).gather(4, kv_idx.expand(B, K, Q, N).unsqueeze(3).expand(B, K, Q, bs, N))
         mask = mask & sel_q.repeat_interleave(bs, dim=-1)
     return mask
 
@@ -167,14 +170,15 @@ class AttnContext:
             self.cache[key] = build()
         return self.cache[key]
 
-    def select(self, q_BHSD, k_BKSD, index=None) -> torch.Tensor:
-        """A B layer's block choice [B, K, Sp, nb]: by the indexer's scores when `index` (its
-        block-start queries and keys, model/indexer.py) is given, else pooled."""
+    def select(self, q_BHSD, k_BKSD, index=None) -> Selection:
+        """A B layer's block choice (masks.Selection; `.dense()` is [B, K, Sp, nb]): by the
+        indexer's scores when `index` (its block-start queries and keys, model/indexer.py) is
+        given, else pooled."""
         scores = None
         if index is not None:
             with torch.no_grad():
                 scores = indexer_block_scores(index[0], index[1], self.info.block_size)
-        return select_blocks(self.info, q_BHSD, k_BKSD, self.num_selected, scores)
+        return select_blocks_compact(self.info, q_BHSD, k_BKSD, self.num_selected, scores)
 
     def attend(self, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, kind: str,
                index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -196,7 +200,7 @@ class AttnContext:
         if backend == "sdpa":
             if sel is None:
                 return self._segments(q_BHSD, k_BKSD, v_BKSD, kind)
-            return self._sdpa(q_BHSD, k_BKSD, v_BKSD, dense_mask(info, kind, sel))
+            return self._sdpa(q_BHSD, k_BKSD, v_BKSD, dense_mask(info, kind, sel.dense()))
         if backend == "blocksparse":
             if sel is not None:
                 kv_idx, valid = selected_block_slots(info, sel, self.layout.slots["B"])
@@ -288,8 +292,11 @@ class AttnContext:
             m = (doc[b, q_idx] == doc[b, kv_idx]) & ((kv_idx <= q_idx) | ((vq >= 0) & (vq == vis[b, kv_idx])))
             if kind == "L":
                 m = m & (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
-            if sel is not None:
-                m = m & sel[b, h // G, q_idx, kv_idx // bs]
+            if sel is not None:  # the Selection's rule, evaluated per (query, key) of a selected block
+                qb, kb = q_idx // bs, kv_idx // bs
+                forced = ((kb == qb) | (kb == info.doc_start_BS[b, q_idx] // bs)
+                          | ((kb >= info.vis_start_BS[b, q_idx] // bs) & (kb <= (info.vis_end_BS[b, q_idx] - 1) // bs)))
+                m = m & (forced | (sel.hit_BKQn[b, h // G, qb, kb] & sel.first_BS[b, q_idx]))
             return m
 
         def build():

@@ -76,9 +76,12 @@ def _sections(head_dim: int) -> tuple[int, int, int]:
 def bench_attention(*, device: torch.device, seq_lens: list[int], kinds: str, backends: list[str], num_heads: int,
                     num_kv_heads: int, head_dim: int, window: int, block_size: int, num_selected: int,
                     warmup: int, iters: int, sdpa_max: int, dtype: torch.dtype,
-                    warmup_each: bool = False) -> dict[tuple[str, str, int], float]:
+                    warmup_each: bool = False, selector: str = "pooled", indexer_dim: int = 64,
+                    indexer_heads: int = 2) -> dict[tuple[str, str, int], float]:
     """Seconds per forward+backward of one attention layer for each (kind, backend, seq_len).
-    `warmup_each`: warm up at every length (compiled flex compiles once per shape)."""
+    `warmup_each`: warm up at every length (compiled flex compiles once per shape).
+    `selector=indexer`: B layers score blocks with index tensors of that width and also compute
+    the training statistics (KL loss toward the dense block mass, coverage) on 16 sampled blocks."""
     results = {}
     jobs = [(k, b, s) for k in kinds for b in backends for s in seq_lens if not (b == "sdpa" and s > sdpa_max)]
     for kind, backend, S in tqdm(jobs, desc="attention", leave=False):
@@ -88,12 +91,19 @@ def bench_attention(*, device: torch.device, seq_lens: list[int], kinds: str, ba
         q = torch.randn(1, num_heads, S, head_dim, generator=g, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(1, num_kv_heads, S, head_dim, generator=g, device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(1, num_kv_heads, S, head_dim, generator=g, device=device, dtype=dtype, requires_grad=True)
+        index = None
+        if kind == "B" and selector == "indexer":
+            nq = -(-S // block_size)
+            index = (torch.randn(1, num_kv_heads, indexer_heads, nq, indexer_dim, generator=g, device=device, dtype=dtype, requires_grad=True),
+                     torch.randn(1, num_kv_heads, S, indexer_dim, generator=g, device=device, dtype=dtype, requires_grad=True))
 
         def step():
             # the mask description is built per forward in the model too: include it
             info = build_mask_info(doc, blk, block_size=block_size, window=window)
-            out = AttnContext(info, backend, num_selected, q.device).attend(q, k, v, kind)
-            out.sum().backward()
+            ctx = AttnContext(info, backend, num_selected, q.device)
+            out = ctx.attend(q, k, v, kind, index=index)
+            loss = out.sum() + sum(st["kl"] for st in ctx.b_stats if "kl" in st)
+            loss.backward()
 
         # warm up once per (kind, backend), at its shortest length: a warm-up at 16k sdpa costs a minute
         first = warmup_each or S == min(s for k_, b_, s in jobs if (k_, b_) == (kind, backend))

@@ -35,6 +35,9 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--window", type=int, default=512, help="L-layer window")
     p.add_argument("--block-size", type=int, default=64, help="key block size")
     p.add_argument("--selected", type=int, default=8, help="B-layer blocks per query")
+    p.add_argument("--selector", choices=("pooled", "indexer"), default="pooled",
+                   help="B-layer selector; indexer: learned index scores plus its KL loss and coverage on sampled blocks")
+    p.add_argument("--indexer-dim", type=int, default=64, help="index width per head (--selector indexer)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (attention: at the shortest length of each kind and backend)")
     p.add_argument("--iters", type=int, default=2, help="timed calls (median reported)")
     p.set_defaults(func=_bench_model)
@@ -81,9 +84,10 @@ def _bench_model(args) -> int:
             device=dev, seq_lens=seq_lens, kinds=kinds, backends=backends, num_heads=args.heads,
             num_kv_heads=args.kv_heads, head_dim=args.head_dim, window=args.window, block_size=args.block_size,
             num_selected=args.selected, warmup=args.warmup, iters=args.iters, sdpa_max=args.sdpa_max, dtype=dtype,
+            selector=args.selector, indexer_dim=args.indexer_dim,
         )
         print(f"\nattention fwd+bwd, one layer, {args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, "
-              f"window {args.window}, block {args.block_size}, {args.selected} blocks selected, {dtype}:")
+              f"window {args.window}, block {args.block_size}, {args.selected} blocks selected ({args.selector}), {dtype}:")
         for line in bench.format_attention(res, seq_lens, kinds, backends):
             print(line)
     return 0

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .masks import PAD_DOC, MaskInfo, candidate_blocks, token_mask
+from .masks import PAD_DOC, MaskInfo, Selection, candidate_blocks, token_mask
 
 SCORE_CHUNK_ELEMENTS = 1 << 26  # block scoring is chunked over query blocks to cap the [.., Q, Sp] scores
 
@@ -124,11 +124,11 @@ def selector_stats(
     info: MaskInfo,
     q_BHSD: torch.Tensor,
     k_BKSD: torch.Tensor,
-    sel_BKSn: torch.Tensor,
+    sel: Selection,
     num_samples: int,
     index: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """`coverage` (detached scalar) of a B layer's selection `sel_BKSn` and, with `index` = the
+    """`coverage` (detached scalar) of a B layer's selection `sel` and, with `index` = the
     indexer's (block-start queries [B, K, Hi, Q, d], keys [B, K, S, d]) carrying gradient, its
     `kl` loss (scalar with gradient). Both over `sampled_query_blocks(Q, num_samples)`."""
     bs, nb = info.block_size, info.num_blocks
@@ -143,8 +143,8 @@ def selector_stats(
     mass = dense_block_mass(info, q_BHSD, k_BKSD, blocks)  # [B, H, ns*bs, nb]
     real = (info.doc_BS[:, tok] != PAD_DOC) & (tok < S)  # [B, ns*bs]
     with torch.no_grad():
-        sel = sel_BKSn.index_select(2, tok).repeat_interleave(G, dim=1)  # [B, H, ns*bs, nb]
-        held = (mass * sel).sum(-1)  # [B, H, ns*bs]
+        chosen = sel.at(tok).repeat_interleave(G, dim=1)  # [B, H, ns*bs, nb]
+        held = (mass * chosen).sum(-1)  # [B, H, ns*bs]
         w = real.unsqueeze(1).float()
         coverage = (held * w).sum() / (w.sum() * H).clamp(min=1.0)
     out = {"coverage": coverage}

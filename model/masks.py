@@ -227,6 +227,90 @@ def pooled_block_scores(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tens
     return q_BKQD @ k.view(B, K, nb, bs, D).mean(3).transpose(-1, -2)
 
 
+@dataclass
+class Selection:
+    """A B layer's block choice, held compactly (linear in S, plus [Q, nb] picks): a token's
+    selected key blocks are its forced blocks (own block, its document's first block, the blocks
+    of its visual block) plus, for tokens of its query block's first run, the block's picks.
+    Evaluate it only where it is needed: `at` (some tokens), `at_slots` (gathered slots),
+    `block_union` (per query block), `dense` ([B, K, Sp, nb], for the sdpa reference)."""
+
+    info: MaskInfo
+    hit_BKQn: torch.Tensor  # bool: the picks of each query block (first-run tokens only)
+    first_BS: torch.Tensor  # bool: token is in its query block's first (block, document) run
+
+    def _forced(self, tok, kb):
+        """forced(token, key block) on broadcastable [.., T, 1] tokens and [.., N] blocks, per row."""
+        info, bs = self.info, self.info.block_size
+        return ((kb == tok // bs) | (kb == info.doc_start_BS.gather(1, tok.flatten(1)).view(tok.shape) // bs)
+                | ((kb >= info.vis_start_BS.gather(1, tok.flatten(1)).view(tok.shape) // bs)
+                   & (kb <= (info.vis_end_BS.gather(1, tok.flatten(1)).view(tok.shape) - 1) // bs)))
+
+    def at(self, tok_T: torch.Tensor) -> torch.Tensor:
+        """[B, K, T, nb] bool: the selection of tokens `tok_T` (padded indices)."""
+        info, bs = self.info, self.info.block_size
+        B, K = self.hit_BKQn.shape[:2]
+        tok = tok_T.view(1, -1, 1).expand(B, -1, 1)
+        kb = torch.arange(info.num_blocks, device=tok_T.device)
+        forced = self._forced(tok, kb)  # [B, T, nb]
+        picks = self.hit_BKQn.index_select(2, tok_T // bs) & self.first_BS[:, tok_T].unsqueeze(1).unsqueeze(-1)
+        return forced.unsqueeze(1) | picks
+
+    def dense(self) -> torch.Tensor:
+        return self.at(torch.arange(self.info.padded_len, device=self.hit_BKQn.device))
+
+    def at_slots(self, kv_idx_BKQN: torch.Tensor) -> torch.Tensor:
+        """[B, K, Q, bs, N] bool: every token's selection at its query block's gathered slots."""
+        info, bs = self.info, self.info.block_size
+        B, K, Q, N = kv_idx_BKQN.shape
+        kb = kv_idx_BKQN.unsqueeze(3)  # [B, K, Q, 1, N]
+        own = torch.arange(Q, device=kb.device).view(1, 1, Q, 1, 1)
+        ds = (info.doc_start_BS // bs).view(B, 1, Q, bs, 1)
+        vs = (info.vis_start_BS // bs).view(B, 1, Q, bs, 1)
+        ve = ((info.vis_end_BS - 1) // bs).view(B, 1, Q, bs, 1)
+        forced = (kb == own) | (kb == ds) | ((kb >= vs) & (kb <= ve))
+        picks = self.hit_BKQn.gather(3, kv_idx_BKQN).unsqueeze(3) & self.first_BS.view(B, 1, Q, bs, 1)
+        return forced | picks
+
+    def block_union(self) -> torch.Tensor:
+        """[B, K, Q, nb] bool: the union of the choices of each query block's tokens (scatters
+        over the tokens, no [Sp, nb] tensor)."""
+        info, bs, nb = self.info, self.info.block_size, self.info.num_blocks
+        B = info.doc_BS.shape[0]
+        dev = self.hit_BKQn.device
+        row = (torch.arange(info.padded_len, device=dev) // bs * (nb + 1)).expand(B, -1)
+        marks = torch.zeros(B, nb * (nb + 1), dtype=torch.bool, device=dev)
+        marks.scatter_(1, row + torch.arange(info.padded_len, device=dev) // bs, True)  # own block
+        marks.scatter_(1, row + info.doc_start_BS // bs, True)  # the document's first block
+        # visual spans [first block, last block]: +1 / -1 in a difference array, then a running sum
+        diff = torch.zeros(B, nb * (nb + 1), dtype=torch.int32, device=dev)
+        one = torch.ones(B, info.padded_len, dtype=torch.int32, device=dev)
+        diff.scatter_add_(1, row + info.vis_start_BS // bs, one)
+        diff.scatter_add_(1, row + (info.vis_end_BS - 1) // bs + 1, -one)
+        span = diff.view(B, nb, nb + 1)[:, :, :nb].cumsum(-1) > 0
+        forced = marks.view(B, nb, nb + 1)[:, :, :nb] | span
+        return forced.unsqueeze(1) | self.hit_BKQn
+
+
+@torch.no_grad()
+def select_blocks_compact(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, num_selected: int,
+                          scores_BKQn: torch.Tensor | None = None) -> Selection:
+    """`select_blocks` as a compact Selection (what the attention backends use)."""
+    nb = info.num_blocks
+    B, K = q_BHSD.shape[0], k_BKSD.shape[1]
+    dev = q_BHSD.device
+    n_pick = min(num_selected - 1, nb)
+    cand_BQn, first_BS = candidate_blocks(info)
+    if n_pick <= 0:
+        return Selection(info, torch.zeros(B, K, nb, nb, dtype=torch.bool, device=dev), first_BS)
+    if scores_BKQn is None:
+        scores_BKQn = pooled_block_scores(info, q_BHSD, k_BKSD)
+    scores = scores_BKQn.float().masked_fill(~cand_BQn.unsqueeze(1), float("-inf"))
+    top = scores.topk(n_pick, dim=-1).indices
+    hit_BKQn = torch.zeros(B, K, nb, nb, dtype=torch.bool, device=dev).scatter_(-1, top, True) & cand_BQn.unsqueeze(1)
+    return Selection(info, hit_BKQn, first_BS)
+
+
 @torch.no_grad()
 def select_blocks(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, num_selected: int,
                   scores_BKQn: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,35 +323,22 @@ def select_blocks(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, nu
     (model/indexer.py), or by default the pooled ones (`pooled_block_scores`). They come from the
     block's first token, so the choice depends only on the past of every query that uses it
     (text stays causal) and never on another document; all tokens of one run share one choice,
-    which keeps the blocks a query block gathers few. No gradient flows through the choice."""
-    bs, Sp, nb = info.block_size, info.padded_len, info.num_blocks
-    B, K = q_BHSD.shape[0], k_BKSD.shape[1]
-    dev = q_BHSD.device
-    idx = torch.arange(Sp, device=dev)
-    qb_S = idx // bs
-    kb = torch.arange(nb, device=dev)
-    forced_BSn = (kb == qb_S[:, None]) | (kb[None, None, :] == (info.doc_start_BS // bs)[:, :, None])
-    forced_BSn |= (kb >= (info.vis_start_BS // bs)[:, :, None]) & (kb <= ((info.vis_end_BS - 1) // bs)[:, :, None])
-    sel = forced_BSn.unsqueeze(1).expand(B, K, Sp, nb)
-    n_pick = min(num_selected - 1, nb)
-    if n_pick <= 0:
-        return sel.contiguous()
-    if scores_BKQn is None:
-        scores_BKQn = pooled_block_scores(info, q_BHSD, k_BKSD)
-    cand_BQn, first_BS = candidate_blocks(info)
-    scores = scores_BKQn.float().masked_fill(~cand_BQn.unsqueeze(1), float("-inf"))
-    top = scores.topk(n_pick, dim=-1).indices
-    hit_BKQn = torch.zeros(B, K, nb, nb, dtype=torch.bool, device=dev).scatter_(-1, top, True) & cand_BQn.unsqueeze(1)
-    return sel | (hit_BKQn.index_select(2, qb_S) & first_BS[:, None, :, None])
+    which keeps the blocks a query block gathers few. No gradient flows through the choice.
+    The backends use the same choice held compactly (`select_blocks_compact`, `Selection`)."""
+    return select_blocks_compact(info, q_BHSD, k_BKSD, num_selected, scores_BKQn).dense()
 
 
-def selected_block_slots(info: MaskInfo, sel_BKSn: torch.Tensor, num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def selected_block_slots(info: MaskInfo, sel: "Selection | torch.Tensor", num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Key-block slots for a B layer: the union of its tokens' choices per query block,
-    (kv_idx [B, K, Q, N], valid [B, K, Q, N]), in ascending block order. N is `num_slots` (the
-    host-known bound of BatchLayout, checked by a device assert) or read from the data."""
-    B, K, Sp, nb = sel_BKSn.shape
-    bs = info.block_size
-    any_BKQn = sel_BKSn.view(B, K, Sp // bs, bs, nb).any(3)
+    (kv_idx [B, K, Q, N], valid [B, K, Q, N]), in ascending block order. `sel`: a Selection or
+    its dense [B, K, Sp, nb] form. N is `num_slots` (the host-known bound of BatchLayout, checked
+    by a device assert) or read from the data."""
+    if isinstance(sel, Selection):
+        any_BKQn = sel.block_union()
+    else:
+        B, K, Sp, nb = sel.shape
+        any_BKQn = sel.view(B, K, Sp // info.block_size, info.block_size, nb).any(3)
+    nb = any_BKQn.shape[-1]
     counts = any_BKQn.sum(-1)
     if num_slots is None:
         n = int(counts.max())
@@ -276,5 +347,5 @@ def selected_block_slots(info: MaskInfo, sel_BKSn: torch.Tensor, num_slots: int 
         torch._assert_async((counts <= n).all(), "B-layer block choice exceeds the BatchLayout bound (internal error)")
     # stable sort puts the selected blocks first, in ascending order
     order = torch.argsort((~any_BKQn).to(torch.int8), dim=-1, stable=True)[..., :n]
-    valid = torch.arange(n, device=sel_BKSn.device) < counts.unsqueeze(-1)
+    valid = torch.arange(n, device=any_BKQn.device) < counts.unsqueeze(-1)
     return order, valid

@@ -4,12 +4,14 @@ with the learned indexer (pattern `LB`, same dense warm-up for both).
 
     python -m omniloom.pretrain.bench_selector [--steps 400] [--seq-len 1024] [--warmup 150]
 
-The task (synthetic, so the run needs no data and the answer is known): each row is one document,
-a memory of `payload marker` pairs with markers unique in the row, then queries `marker payload`
-asking for the payload stored with that marker hundreds of tokens earlier. A query can be answered
-only by attending to the one key block that holds its marker: the selector must find it among
-all earlier blocks. Printed per variant: held-out loss (all tokens), held-out recall loss (the
-queried payloads only), and for B layers the coverage of the dense attention mass by the selected
+Tasks (synthetic, so the run needs no data and the answer is known; one document per row):
+- `copy` (default): random tokens, then the same tokens again. A token of the copy is predicted
+  by attending to the key next to its earlier occurrence, half a row back: the selector must
+  find that block among all earlier blocks.
+- `recall`: a memory of `payload marker` pairs with markers unique in the row, then queries
+  `marker payload` asking for the payload stored with that marker (harder: a tiny model needs
+  thousands of steps). Printed per variant: held-out loss (all tokens), held-out recall loss (the
+tokens only a long-range look-up predicts), and for B layers the coverage of the dense attention mass by the selected
 blocks and the indexer's KL at the start and the end of training.
 """
 
@@ -23,6 +25,31 @@ import time
 import torch
 
 VOCAB, N_PAYLOAD, MARKER0 = 1024, 256, 512  # payloads [0, 256), markers [512, 1024)
+
+
+def copy_batch(batch_size: int, seq_len: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """PackedBatch fields of `batch_size` copy rows (random tokens, then the same again), plus
+    `recall_mask` [B, S]: the label positions inside the copy (predictable from the first half)."""
+    half = seq_len // 2
+    first = torch.randint(0, N_PAYLOAD, (batch_size, half), generator=generator)
+    ids = torch.cat([first, first, first[:, : seq_len - 2 * half]], dim=1)
+    recall = torch.zeros_like(ids, dtype=torch.bool)
+    recall[:, half - 1: 2 * half - 1] = True  # the label of position i is token i + 1
+    return _fields(ids, recall)
+
+
+def _fields(ids: torch.Tensor, recall: torch.Tensor) -> dict[str, torch.Tensor]:
+    batch_size, seq_len = ids.shape
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    pos = torch.arange(seq_len).expand(batch_size, seq_len)
+    return {
+        "input_ids": ids, "labels": labels, "positions": pos.unsqueeze(1).expand(batch_size, 3, seq_len).to(torch.int32),
+        "doc_ids": torch.zeros(batch_size, seq_len, dtype=torch.int32),
+        "block_ids": torch.full((batch_size, seq_len), -1, dtype=torch.int32),
+        "modality": torch.zeros(batch_size, seq_len, dtype=torch.uint8),
+        "patches": torch.zeros(0, 8), "patch_kind": torch.zeros(0, dtype=torch.uint8), "recall_mask": recall,
+    }
 
 
 def recall_batch(batch_size: int, seq_len: int, n_query: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -41,19 +68,10 @@ def recall_batch(batch_size: int, seq_len: int, n_query: int, generator: torch.G
         row = torch.cat([mem, qry])
         ids[b, : row.numel()] = row
         ids[b, row.numel():] = payload[0]  # a short tail when seq_len is odd
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
     recall = torch.zeros_like(ids, dtype=torch.bool)
     start = 2 * n_mem
     recall[:, start: start + 2 * n_query: 2] = True  # a query marker: its label is the payload
-    pos = torch.arange(seq_len).expand(batch_size, seq_len)
-    return {
-        "input_ids": ids, "labels": labels, "positions": pos.unsqueeze(1).expand(batch_size, 3, seq_len).to(torch.int32),
-        "doc_ids": torch.zeros(batch_size, seq_len, dtype=torch.int32),
-        "block_ids": torch.full((batch_size, seq_len), -1, dtype=torch.int32),
-        "modality": torch.zeros(batch_size, seq_len, dtype=torch.uint8),
-        "patches": torch.zeros(0, 8), "patch_kind": torch.zeros(0, dtype=torch.uint8), "recall_mask": recall,
-    }
+    return _fields(ids, recall)
 
 
 def make_model(pattern: str, selector: str, args):
@@ -105,6 +123,12 @@ def held_out(model, batches) -> dict:
     return res
 
 
+def make_batch(args, g: torch.Generator) -> dict[str, torch.Tensor]:
+    if args.task == "copy":
+        return copy_batch(args.batch_size, args.seq_len, g)
+    return recall_batch(args.batch_size, args.seq_len, args.n_query, g)
+
+
 def train_variant(name: str, pattern: str, selector: str, args, eval_batches) -> dict:
     model = make_model(pattern, selector, args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -114,7 +138,7 @@ def train_variant(name: str, pattern: str, selector: str, args, eval_batches) ->
     t0 = time.perf_counter()
     for step in range(args.steps):
         model.set_step(step)
-        batch = recall_batch(args.batch_size, args.seq_len, args.n_query, g)
+        batch = make_batch(args, g)
         out = _forward(model, batch)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -140,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=150, help="dense warm-up steps of the B variants")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--n-query", type=int, default=64)
+    p.add_argument("--task", choices=("copy", "recall"), default="copy")
+    p.add_argument("--n-query", type=int, default=64, help="recall task: queries per row")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--window", type=int, default=64)
@@ -152,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     g = torch.Generator().manual_seed(12345)
-    eval_batches = [recall_batch(args.batch_size, args.seq_len, args.n_query, g) for _ in range(4)]
+    eval_batches = [make_batch(args, g) for _ in range(4)]
     specs = {"dense": ("LG", "pooled"), "pooled": ("LB", "pooled"), "indexer": ("LB", "indexer")}
     rows = []
     for name in args.variants.split(","):

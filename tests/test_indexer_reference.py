@@ -205,7 +205,7 @@ def captured(request):
         calls.append({
             "q": q_BHSD.detach().clone(), "k": k_BKSD.detach().clone(),
             "index": None if index is None else tuple(t.detach().clone() for t in index),
-            "info": self.info, "sel": sel.detach().clone(),
+            "info": self.info, "sel": sel.dense().clone(),  # AttnContext.select returns a compact masks.Selection
         })
         return sel
 

@@ -169,5 +169,5 @@ def test_flex_mask_mod_matches_sdpa_forward_on_cpu(kind):
     q, k, v = torch.randn(2, 4, 64, 16, generator=g), torch.randn(2, 2, 64, 16, generator=g), torch.randn(2, 2, 64, 16, generator=g)
     ref = AttnContext(info, "sdpa", 3, q.device).attend(q, k, v, kind)
     ctx = AttnContext(info, "sdpa", 3, q.device)
-    sel = select_blocks(info, q, k, 3) if kind == "B" else None
+    sel = ctx.select(q, k) if kind == "B" else None  # B: the BlockMask comes from the selected kv blocks
     torch.testing.assert_close(ctx._flex(q, k, v, kind, sel), ref, atol=1e-5, rtol=1e-5)
