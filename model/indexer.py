@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .masks import PAD_DOC, MaskInfo, Selection, candidate_blocks, token_mask
+from .masks import PAD_DOC, MaskInfo, Selection, token_mask
 
 SCORE_CHUNK_ELEMENTS = 1 << 26  # block scoring is chunked over query blocks to cap the [.., Q, Sp] scores
 
@@ -85,19 +85,19 @@ def indexer_block_scores(iq_BKHQd: torch.Tensor, ik_BKSd: torch.Tensor, block_si
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
-def sampled_query_blocks(num_blocks: int, num_samples: int) -> list[int]:
+def sampled_query_blocks(num_blocks: int, num_samples: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Query blocks whose dense attention the statistics compute: `num_samples` evenly spaced
-    over the row, the last block always among them (later blocks have the most candidates).
-    Chosen from shapes alone (host ints), so the sample costs no device read."""
+    over the row (block i * (nb - 1) // (ns - 1)), the first and the last always among them
+    (later blocks have the most candidates). Made on the device from shapes alone: no copy, no
+    device read."""
     if num_samples >= num_blocks:
-        return list(range(num_blocks))
+        return torch.arange(num_blocks, device=device)
     if num_samples == 1:
-        return [num_blocks - 1]
-    step = (num_blocks - 1) / (num_samples - 1)
-    return sorted({round(i * step) for i in range(num_samples)})
+        return torch.full((1,), num_blocks - 1, device=device)
+    return torch.arange(num_samples, device=device) * (num_blocks - 1) // (num_samples - 1)
 
 
-def dense_block_mass(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+def dense_block_mass(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The dense (G-rule) attention probability of each sampled query token summed per key
     block, no gradient: [B, H, ns * bs, nb] fp32. Rows of padding queries are garbage (callers
     weigh them out)."""
@@ -106,7 +106,7 @@ def dense_block_mass(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor,
     K = k_BKSD.shape[1]
     dev = q_BHSD.device
     with torch.no_grad():
-        tok = (torch.tensor(blocks, device=dev)[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+        tok = (blocks[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
         q = F.pad(q_BHSD.detach().float(), (0, 0, 0, Sp - S)).index_select(2, tok)
         k = F.pad(k_BKSD.detach().float(), (0, 0, 0, Sp - S))
         k = k.repeat_interleave(H // K, dim=1)
@@ -136,11 +136,10 @@ def selector_stats(
     K = k_BKSD.shape[1]
     G = H // K
     dev = q_BHSD.device
-    blocks = sampled_query_blocks(nb, num_samples)
-    ns = len(blocks)
-    blk = torch.tensor(blocks, device=dev)
+    blk = sampled_query_blocks(nb, num_samples, dev)
+    ns = blk.shape[0]
     tok = (blk[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)  # [ns * bs]
-    mass = dense_block_mass(info, q_BHSD, k_BKSD, blocks)  # [B, H, ns*bs, nb]
+    mass = dense_block_mass(info, q_BHSD, k_BKSD, blk)  # [B, H, ns*bs, nb]
     real = (info.doc_BS[:, tok] != PAD_DOC) & (tok < S)  # [B, ns*bs]
     with torch.no_grad():
         chosen = sel.at(tok).repeat_interleave(G, dim=1)  # [B, H, ns*bs, nb]
@@ -151,8 +150,8 @@ def selector_stats(
     if index is None:
         return out
     iq_BKHQd, ik_BKSd = index
-    cand_BQn, first_BS = candidate_blocks(info)
-    cand = cand_BQn.index_select(1, blk)  # [B, ns, nb]
+    cand = sel.cand_BQn.index_select(1, blk)  # [B, ns, nb]
+    first_BS = sel.first_BS
     with torch.no_grad():
         # the target: mass of the block's first-run queries, mean over them and the group's heads
         run = (first_BS[:, tok] & real).view(B, 1, ns, bs).float()  # [B, 1, ns, bs]

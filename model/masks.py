@@ -238,6 +238,7 @@ class Selection:
     info: MaskInfo
     hit_BKQn: torch.Tensor  # bool: the picks of each query block (first-run tokens only)
     first_BS: torch.Tensor  # bool: token is in its query block's first (block, document) run
+    cand_BQn: torch.Tensor  # bool: the blocks each query block chose among (candidate_blocks)
 
     def _forced(self, tok, kb):
         """forced(token, key block) on broadcastable [.., T, 1] tokens and [.., N] blocks, per row."""
@@ -302,13 +303,13 @@ def select_blocks_compact(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Te
     n_pick = min(num_selected - 1, nb)
     cand_BQn, first_BS = candidate_blocks(info)
     if n_pick <= 0:
-        return Selection(info, torch.zeros(B, K, nb, nb, dtype=torch.bool, device=dev), first_BS)
+        return Selection(info, torch.zeros(B, K, nb, nb, dtype=torch.bool, device=dev), first_BS, cand_BQn)
     if scores_BKQn is None:
         scores_BKQn = pooled_block_scores(info, q_BHSD, k_BKSD)
     scores = scores_BKQn.float().masked_fill(~cand_BQn.unsqueeze(1), float("-inf"))
     top = scores.topk(n_pick, dim=-1).indices
     hit_BKQn = torch.zeros(B, K, nb, nb, dtype=torch.bool, device=dev).scatter_(-1, top, True) & cand_BQn.unsqueeze(1)
-    return Selection(info, hit_BKQn, first_BS)
+    return Selection(info, hit_BKQn, first_BS, cand_BQn)
 
 
 @torch.no_grad()

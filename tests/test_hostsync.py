@@ -62,10 +62,12 @@ def test_recorder_sees_the_ops_that_sync():
     assert rec.events == [], rec.report()
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "blocksparse"])
-def test_training_step_forward_and_backward_make_no_host_sync(backend):
+@pytest.mark.parametrize("backend,selector", [("sdpa", "pooled"), ("blocksparse", "pooled"), ("blocksparse", "indexer")])
+def test_training_step_forward_and_backward_make_no_host_sync(backend, selector):
+    """selector=indexer adds the index branch, its block scoring, KL loss and coverage."""
     torch.manual_seed(0)
     cfg = multimodal_cfg(backend)
+    cfg.attention.selector, cfg.attention.indexer_dim = selector, 8
     model = OmniModel(cfg)
     batch = step_inputs(cfg)
     # as the trainer does: the host-side layout comes from the CPU batch before any device copy
@@ -77,6 +79,7 @@ def test_training_step_forward_and_backward_make_no_host_sync(backend):
         out = model(**batch, layout=layout)
         out.loss.backward()
     assert rec.events == [], rec.report()
+    assert (out.indexer_loss is not None) == (selector == "indexer")
     assert torch.isfinite(out.loss) and model.embed.patch.weight.grad is not None and model.embed.tubelet.weight.grad is not None
 
 

@@ -100,6 +100,8 @@ def test_dense_warmup_is_g_attention_then_switches():
 
 
 def test_sampled_query_blocks_are_spread_and_include_the_last():
-    assert sampled_query_blocks(4, 16) == [0, 1, 2, 3]
-    got = sampled_query_blocks(100, 5)
-    assert got == [0, 25, 50, 74, 99] and sampled_query_blocks(100, 1) == [99]
+    assert sampled_query_blocks(4, 16).tolist() == [0, 1, 2, 3]
+    assert sampled_query_blocks(100, 5).tolist() == [0, 24, 49, 74, 99]
+    assert sampled_query_blocks(100, 1).tolist() == [99]
+    got = sampled_query_blocks(512, 16).tolist()
+    assert len(set(got)) == 16 and got[0] == 0 and got[-1] == 511
