@@ -144,18 +144,24 @@ raise RuntimeError("boom: a bug in the training loop while the loader workers ar
 '''
 
 
-def test_loader_workers_outlive_a_group_signal_but_never_their_trainer(tmp_path):
-    """A SIGTERM from anyone but their parent (torchrun, Slurm, Ctrl-C reach the whole group) leaves
-    the workers running, so the trainer can still save; an unhandled error in the trainer then ends
-    the process and its workers at once (before: interpreter exit waited for them forever)."""
+def _start_loader(tmp_path, name: str, stderr):
+    """_LOADER_SCRIPT over two small shards, in its own session: (script path, process)."""
     from omniloom.data.stream_bench import synthetic_documents, write_shards
 
     shards = write_shards(str(tmp_path / "good"), synthetic_documents(40, seed=4, mean_text=100), name="g",
                           docs_per_shard=[20, 20])
-    script = tmp_path / "loader.py"
+    script = tmp_path / name
     script.write_text(_LOADER_SCRIPT)
     proc = subprocess.Popen([sys.executable, str(script), shards], env=_env(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    return script, proc
+
+
+def test_loader_workers_outlive_a_group_signal_but_never_their_trainer(tmp_path):
+    """A SIGTERM from anyone but their parent (torchrun, Slurm, Ctrl-C reach the whole group) leaves
+    the workers running, so the trainer can still save; an unhandled error in the trainer then ends
+    the process and its workers at once (before: interpreter exit waited for them forever)."""
+    script, proc = _start_loader(tmp_path, "loader.py", stderr=subprocess.PIPE)
     try:
         workers = [int(p) for p in proc.stdout.readline().split()]
         assert len(workers) == 2
@@ -177,14 +183,7 @@ def test_loader_workers_outlive_a_group_signal_but_never_their_trainer(tmp_path)
 
 
 def test_loader_workers_exit_when_their_trainer_is_killed(tmp_path):
-    from omniloom.data.stream_bench import synthetic_documents, write_shards
-
-    shards = write_shards(str(tmp_path / "good"), synthetic_documents(40, seed=4, mean_text=100), name="g",
-                          docs_per_shard=[20, 20])
-    script = tmp_path / "loader_killed.py"
-    script.write_text(_LOADER_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), shards], env=_env(), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    script, proc = _start_loader(tmp_path, "loader_killed.py", stderr=subprocess.DEVNULL)
     try:
         workers = [int(p) for p in proc.stdout.readline().split()]
         assert len(workers) == 2
