@@ -46,7 +46,7 @@ def check_backend(name: str) -> None:
 
 
 def gathered_mask(
-    info: MaskInfo, kind: str, kv_idx: torch.Tensor, valid: torch.Tensor, sel: "Selection | torch.Tensor | None" = None
+    info: MaskInfo, kind: str, kv_idx: torch.Tensor, valid: torch.Tensor, sel: Selection | None = None
 ) -> torch.Tensor:
     """The rule evaluated on the gathered keys: [B, 1 or K, Q, bs, N * bs] bool.
 
@@ -62,12 +62,8 @@ def gathered_mask(
     vis_q = info.vis_BS.view(B, 1, Q, bs, 1)
     mask = token_mask(doc_q, vis_q, idx_q, doc_k, vis_k, tok_j.unsqueeze(3), kind, info.window)
     mask = mask & valid.repeat_interleave(bs, dim=-1).unsqueeze(3)
-    if isinstance(sel, Selection):
+    if sel is not None:  # a B layer: each token's own choice among its query block's slots
         mask = mask & sel.at_slots(kv_idx.expand(B, sel.hit_BKQn.shape[1], Q, N)).repeat_interleave(bs, dim=-1)
-    elif sel is not None:
-        K, nb = sel.shape[1], sel.shape[-1]
-        sel_q = sel.view(B, K, Q, bs, nb).gather(4, kv_idx.expand(B, K, Q, N).unsqueeze(3).expand(B, K, Q, bs, N))
-        mask = mask & sel_q.repeat_interleave(bs, dim=-1)
     return mask
 
 
@@ -294,8 +290,8 @@ class AttnContext:
                 m = m & (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
             if sel is not None:  # the Selection's rule, evaluated per (query, key) of a selected block
                 qb, kb = q_idx // bs, kv_idx // bs
-                forced = ((kb == qb) | (kb == info.doc_start_BS[b, q_idx] // bs)
-                          | ((kb >= info.vis_start_BS[b, q_idx] // bs) & (kb <= (info.vis_end_BS[b, q_idx] - 1) // bs)))
+                forced = Selection.forced(kb, qb, info.doc_start_BS[b, q_idx] // bs, info.vis_start_BS[b, q_idx] // bs,
+                                          (info.vis_end_BS[b, q_idx] - 1) // bs)
                 m = m & (forced | (sel.hit_BKQn[b, h // G, qb, kb] & sel.first_BS[b, q_idx]))
             return m
 

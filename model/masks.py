@@ -240,21 +240,29 @@ class Selection:
     first_BS: torch.Tensor  # bool: token is in its query block's first (block, document) run
     cand_BQn: torch.Tensor  # bool: the blocks each query block chose among (candidate_blocks)
 
-    def _forced(self, tok, kb):
-        """forced(token, key block) on broadcastable [.., T, 1] tokens and [.., N] blocks, per row."""
+    @staticmethod
+    def forced(kb, own, first, vis_lo, vis_hi):
+        """The forced rule on broadcastable block indices: key block `kb` is the query's own
+        block, its document's first block, or inside its visual block's [vis_lo, vis_hi]."""
+        return (kb == own) | (kb == first) | ((kb >= vis_lo) & (kb <= vis_hi))
+
+    def token_blocks(self, tok_T: torch.Tensor | None = None):
+        """(own, first, vis_lo, vis_hi) block indices of tokens `tok_T` ([T] own, [B, T] the rest),
+        or of every padded token when None."""
         info, bs = self.info, self.info.block_size
-        return ((kb == tok // bs) | (kb == info.doc_start_BS.gather(1, tok.flatten(1)).view(tok.shape) // bs)
-                | ((kb >= info.vis_start_BS.gather(1, tok.flatten(1)).view(tok.shape) // bs)
-                   & (kb <= (info.vis_end_BS.gather(1, tok.flatten(1)).view(tok.shape) - 1) // bs)))
+        facts = (info.doc_start_BS, info.vis_start_BS, info.vis_end_BS - 1)
+        if tok_T is None:
+            tok_T = torch.arange(info.padded_len, device=info.doc_BS.device)
+        else:
+            facts = tuple(f[:, tok_T] for f in facts)
+        return (tok_T // bs, *(f // bs for f in facts))
 
     def at(self, tok_T: torch.Tensor) -> torch.Tensor:
         """[B, K, T, nb] bool: the selection of tokens `tok_T` (padded indices)."""
-        info, bs = self.info, self.info.block_size
-        B, K = self.hit_BKQn.shape[:2]
-        tok = tok_T.view(1, -1, 1).expand(B, -1, 1)
-        kb = torch.arange(info.num_blocks, device=tok_T.device)
-        forced = self._forced(tok, kb)  # [B, T, nb]
-        picks = self.hit_BKQn.index_select(2, tok_T // bs) & self.first_BS[:, tok_T].unsqueeze(1).unsqueeze(-1)
+        kb = torch.arange(self.info.num_blocks, device=tok_T.device)
+        own, first, lo, hi = self.token_blocks(tok_T)
+        forced = self.forced(kb, own[:, None], first[..., None], lo[..., None], hi[..., None])  # [B, T, nb]
+        picks = self.hit_BKQn.index_select(2, own) & self.first_BS[:, tok_T].unsqueeze(1).unsqueeze(-1)
         return forced.unsqueeze(1) | picks
 
     def dense(self) -> torch.Tensor:
@@ -262,14 +270,10 @@ class Selection:
 
     def at_slots(self, kv_idx_BKQN: torch.Tensor) -> torch.Tensor:
         """[B, K, Q, bs, N] bool: every token's selection at its query block's gathered slots."""
-        info, bs = self.info, self.info.block_size
+        bs = self.info.block_size
         B, K, Q, N = kv_idx_BKQN.shape
-        kb = kv_idx_BKQN.unsqueeze(3)  # [B, K, Q, 1, N]
-        own = torch.arange(Q, device=kb.device).view(1, 1, Q, 1, 1)
-        ds = (info.doc_start_BS // bs).view(B, 1, Q, bs, 1)
-        vs = (info.vis_start_BS // bs).view(B, 1, Q, bs, 1)
-        ve = ((info.vis_end_BS - 1) // bs).view(B, 1, Q, bs, 1)
-        forced = (kb == own) | (kb == ds) | ((kb >= vs) & (kb <= ve))
+        own, first, lo, hi = (t.reshape(-1, 1, Q, bs, 1) for t in self.token_blocks())
+        forced = self.forced(kv_idx_BKQN.unsqueeze(3), own, first, lo, hi)
         picks = self.hit_BKQn.gather(3, kv_idx_BKQN).unsqueeze(3) & self.first_BS.view(B, 1, Q, bs, 1)
         return forced | picks
 
@@ -329,16 +333,11 @@ def select_blocks(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, nu
     return select_blocks_compact(info, q_BHSD, k_BKSD, num_selected, scores_BKQn).dense()
 
 
-def selected_block_slots(info: MaskInfo, sel: "Selection | torch.Tensor", num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def selected_block_slots(info: MaskInfo, sel: Selection, num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Key-block slots for a B layer: the union of its tokens' choices per query block,
-    (kv_idx [B, K, Q, N], valid [B, K, Q, N]), in ascending block order. `sel`: a Selection or
-    its dense [B, K, Sp, nb] form. N is `num_slots` (the host-known bound of BatchLayout, checked
-    by a device assert) or read from the data."""
-    if isinstance(sel, Selection):
-        any_BKQn = sel.block_union()
-    else:
-        B, K, Sp, nb = sel.shape
-        any_BKQn = sel.view(B, K, Sp // info.block_size, info.block_size, nb).any(3)
+    (kv_idx [B, K, Q, N], valid [B, K, Q, N]), in ascending block order. N is `num_slots` (the
+    host-known bound of BatchLayout, checked by a device assert) or read from the data."""
+    any_BKQn = sel.block_union()
     nb = any_BKQn.shape[-1]
     counts = any_BKQn.sum(-1)
     if num_slots is None:
