@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from .masks import PAD_DOC, MaskInfo, Selection, token_mask
 
 SCORE_CHUNK_ELEMENTS = 1 << 26  # block scoring is chunked over query blocks to cap the [.., Q, Sp] scores
+CAUSAL_CHUNKS = 8  # causal scoring: this many query chunks, each against only the keys before it
+CAUSAL_MIN_CHUNK = 16  # ... but no smaller than this many query blocks (small rows: one pass)
 
 
 class BlockIndexer(nn.Module):
@@ -63,11 +65,14 @@ class BlockIndexer(nn.Module):
         return self.queries(x_BSD[:, ::block_size]), self.keys(x_BSD)
 
 
-def indexer_block_scores(iq_BKHQd: torch.Tensor, ik_BKSd: torch.Tensor, block_size: int) -> torch.Tensor:
+def indexer_block_scores(iq_BKHQd: torch.Tensor, ik_BKSd: torch.Tensor, block_size: int, causal: bool = False) -> torch.Tensor:
     """Max-pooled block scores [B, K, Q', nb] (fp32) of Q' index queries against every key block.
 
     Keys past S (padding of the last block) score -inf, so a block's max is over its real keys.
-    Chunked over the queries: the [.., Q', Sp] token scores never exceed SCORE_CHUNK_ELEMENTS."""
+    Chunked over the queries: the [.., Q', Sp] token scores never exceed SCORE_CHUNK_ELEMENTS.
+    `causal`: query i is block i's (Q' = nb, the training path) and only strictly earlier blocks
+    are scored (the rest are -inf; no block at or after its own is ever a candidate): each
+    chunk of queries multiplies against the keys before it only, about half the work."""
     B, K, Hi, Qn, d = iq_BKHQd.shape
     S = ik_BKSd.shape[2]
     bs = block_size
@@ -77,11 +82,21 @@ def indexer_block_scores(iq_BKHQd: torch.Tensor, ik_BKSd: torch.Tensor, block_si
     real = torch.arange(Sp, device=k.device) < S
     q = iq_BKHQd.float() * (1.0 / math.sqrt(d))
     step = max(1, SCORE_CHUNK_ELEMENTS // max(1, B * K * Hi * Sp))
+    if causal:
+        assert Qn == nb, "causal block scores need one index query per block"
+        step = min(step, max(CAUSAL_MIN_CHUNK, -(-Qn // CAUSAL_CHUNKS)))
     out = []
     for c0 in range(0, Qn, step):
-        s = torch.einsum("bkhqd,bksd->bkhqs", q[:, :, :, c0 : c0 + step], k)
-        s = s.masked_fill(~real, float("-inf"))
-        out.append(s.view(B, K, Hi, -1, nb, bs).amax(-1).mean(2))
+        c1 = min(Qn, c0 + step)
+        kb = c1 if causal else nb  # key blocks this chunk can see
+        s = torch.einsum("bkhqd,bksd->bkhqs", q[:, :, :, c0:c1], k[:, :, : kb * bs])
+        if Sp > S:  # only the last block has padding keys
+            s = s.masked_fill(~real[: kb * bs], float("-inf"))
+        s = s.view(B, K, Hi, c1 - c0, kb, bs).amax(-1).mean(2)
+        if causal:
+            earlier = torch.arange(kb, device=k.device) < torch.arange(c0, c1, device=k.device).unsqueeze(1)
+            s = F.pad(s.masked_fill(~earlier, float("-inf")), (0, nb - kb), value=float("-inf"))
+        out.append(s)
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 

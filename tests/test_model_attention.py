@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omniloom.model import attention as attention_mod
 from omniloom.model.attention import AttnContext, check_backend
 from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
 from omniloom.model.masks import build_mask_info, dense_mask, select_blocks
@@ -35,8 +36,11 @@ def batch_fields(seq_len=90, seed=0):
     return batch["doc_ids"], batch["block_ids"]
 
 
+@pytest.mark.parametrize("chunk_tokens", [None, 16])
 @pytest.mark.parametrize("kind", ["L", "G", "B"])
-def test_blocksparse_matches_sdpa_forward_and_backward(kind):
+def test_blocksparse_matches_sdpa_forward_and_backward(kind, chunk_tokens, monkeypatch):
+    if chunk_tokens:  # 2 query blocks per chunk: the chunked autograd path (long rows on CPU)
+        monkeypatch.setattr(attention_mod, "CHUNK_TOKENS_CPU", chunk_tokens)
     doc, blk = batch_fields()  # 90 tokens: not a multiple of the block size (padding path)
     assert (blk >= 0).any() and doc.max() >= 2
     info = build_mask_info(doc, blk, block_size=8, window=12)
@@ -55,6 +59,8 @@ def test_blocksparse_matches_sdpa_forward_and_backward(kind):
     for got_sdpa, got_bs, want in zip(results[1], results[2], results[0]):
         torch.testing.assert_close(got_sdpa, want)
         torch.testing.assert_close(got_bs, want)
+    with torch.no_grad():  # inference: chunks without any graph
+        torch.testing.assert_close(AttnContext(info, "blocksparse", 3, q.device).attend(q, k, v, kind), ref)
 
 
 def test_blocksparse_global_layer_over_long_documents_runs_per_document_and_matches():
