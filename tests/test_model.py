@@ -221,3 +221,30 @@ def test_every_parameter_gets_a_gradient_every_step(visual, dispatch):
     assert int((out.expert_counts.sum(1) == 0).sum()) > 0  # some expert got no token
     missing = [name for name, p in model.named_parameters() if p.grad is None]
     assert missing == []
+
+
+@pytest.mark.parametrize("selector", ["pooled", "indexer"])
+def test_chunked_blocksparse_under_activation_checkpointing_matches_sdpa(selector, monkeypatch):
+    """Long rows on CPU run the gathered attention in query chunks (a custom autograd Function
+    holding a small graph per chunk); activation checkpointing recomputes it in backward."""
+    from omniloom.model import attention
+    from omniloom.pretrain.parallel import apply_activation_checkpointing
+
+    monkeypatch.setattr(attention, "CHUNK_TOKENS_CPU", 16)  # 2 query blocks per chunk
+    torch.manual_seed(0)
+    batch = random_packed_batch(tiny_cfg(), batch_size=2, seq_len=100, seed=2)
+
+    def cfg(backend):
+        return tiny_cfg(backend, attention=AttentionConfig(backend=backend, pattern="LBG", window=12, block_size=8,
+                                                           num_selected_blocks=3, selector=selector, indexer_dim=8))
+
+    ref, other = OmniModel(cfg("sdpa")), OmniModel(cfg("blocksparse"))
+    other.load_state_dict(ref.state_dict())
+    assert apply_activation_checkpointing(other) == 3
+    grads = []
+    for model in (ref, other):
+        out = run(model, batch)
+        out.loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=lambda m, n=name: f"{n}: {m}")
