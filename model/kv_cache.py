@@ -59,8 +59,9 @@ class LayerCache:
     # the index key of every token [B, K, T, d] (indexer selector), and the blocks the current
     # query block reads [B, K, n] (chosen when its first token arrived)
     kmean_BKnD: torch.Tensor | None = None
-    ik_BKTd: torch.Tensor | None = None
     blocks_BKn: torch.Tensor | None = None
+    _ik: torch.Tensor | None = None  # [B, K, capacity, d] index keys, in the model's dtype
+    n_ik: int = 0
 
     @property
     def num_keys(self) -> int:
@@ -78,6 +79,18 @@ class LayerCache:
     def idx_T(self) -> torch.Tensor:
         return self._idx[: self.n]
 
+    @property
+    def ik_BKTd(self) -> torch.Tensor | None:
+        """Index keys of every token so far (indexer selector), None otherwise."""
+        return None if self._ik is None else self._ik[:, :, : self.n_ik]
+
+    def append_index(self, ik_BKSd: torch.Tensor) -> None:
+        """Append index keys, growing by doubling like the keys (a step copies one, not all).
+        Kept in the layer's dtype: training scores bf16 index keys in fp32 the same way."""
+        self._ik = _grow(self._ik, self.n_ik, ik_BKSd.shape[2], ik_BKSd)
+        self._ik[:, :, self.n_ik: self.n_ik + ik_BKSd.shape[2]] = ik_BKSd
+        self.n_ik += ik_BKSd.shape[2]
+
     def append(self, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, idx_S: torch.Tensor) -> None:
         S = k_BKSD.shape[2]
         if self.keep is not None:
@@ -91,21 +104,19 @@ class LayerCache:
             return
         need = self.n + S
         if self._k is None or need > self._k.shape[2]:
-            cap = max(need, 2 * (0 if self._k is None else self._k.shape[2]), 64)
-            B, K, _, D = k_BKSD.shape
-            k = k_BKSD.new_empty(B, K, cap, D)
-            v = v_BKSD.new_empty(B, K, cap, D)
-            idx = idx_S.new_empty(cap)
+            self._k = _grow(self._k, self.n, S, k_BKSD)
+            self._v = _grow(self._v, self.n, S, v_BKSD)
+            idx = idx_S.new_empty(self._k.shape[2])
             if self.n:
-                k[:, :, : self.n], v[:, :, : self.n], idx[: self.n] = self.k_BKTD, self.v_BKTD, self.idx_T
-            self._k, self._v, self._idx = k, v, idx
+                idx[: self.n] = self.idx_T
+            self._idx = idx
         self._k[:, :, self.n:need] = k_BKSD
         self._v[:, :, self.n:need] = v_BKSD
         self._idx[self.n:need] = idx_S
         self.n = need
 
     def nbytes(self) -> int:
-        """Bytes of the keys/values held (not the spare capacity) and the block means."""
+        """Bytes of the keys/values held (not the spare capacity), block means and index keys."""
         total = 0
         if self._k is not None:
             total += 2 * self.k_BKTD.numel() * self._k.element_size()
@@ -113,6 +124,19 @@ class LayerCache:
             if extra is not None:
                 total += extra.numel() * extra.element_size()
         return total
+
+
+def _grow(buf: torch.Tensor | None, n: int, extra: int, like_BKSx: torch.Tensor) -> torch.Tensor:
+    """`buf` [B, K, capacity, x] with room for `extra` more after its first `n`: the same buffer
+    when it fits, else one of at least twice the capacity holding the first `n`."""
+    if buf is not None and n + extra <= buf.shape[2]:
+        return buf
+    cap = max(n + extra, 2 * (0 if buf is None else buf.shape[2]), 64)
+    B, K, _, x = like_BKSx.shape
+    new = like_BKSx.new_empty(B, K, cap, x)
+    if n:
+        new[:, :, :n] = buf[:, :, :n]
+    return new
 
 
 class _PrefillContext(AttnContext):
@@ -246,7 +270,7 @@ class CachedDecoder:
         if index is None:
             cache.kmean_BKnD = k_BKSD[:, :, : n_done * bs].float().reshape(B, K, n_done, bs, D).mean(3)
         else:
-            cache.ik_BKTd = index[1].float()
+            cache.append_index(index[1])
         cache.blocks_BKn = None
         if S % bs:  # the next token falls in a started block: choose that block's reads now
             rep = n_done * bs
@@ -262,8 +286,7 @@ class CachedDecoder:
         K = k_BK1D.shape[1]
         G = H // K
         if cache.kind == "B" and index is not None:
-            ik = index[1].float()
-            cache.ik_BKTd = ik if cache.ik_BKTd is None else torch.cat([cache.ik_BKTd, ik], dim=2)
+            cache.append_index(index[1])
         if cache.kind == "B" and not self.model.dense_b_layers:
             if i % bs == 0:  # a new query block: choose the blocks it reads, from its first query
                 rep_q = index[0][:, :, :, 0] if index is not None else _group_sum(q_BH1D[:, :, 0], K)

@@ -1,4 +1,4 @@
-"""Train the same tiny model three ways on a long-range recall task and compare the B-layer
+"""Train the same tiny model three ways on a long-range task and compare the B-layer
 selectors: a dense reference (pattern `LG`), `B` layers with the pooled selector and `B` layers
 with the learned indexer (pattern `LB`, same dense warm-up for both).
 
@@ -8,16 +8,22 @@ Tasks (synthetic, so the run needs no data and the answer is known; one document
 - `copy` (default): random tokens, then the same tokens again. A token of the copy is predicted
   by attending to the key next to its earlier occurrence, half a row back: the selector must
   find that block among all earlier blocks.
+- `code`: real text, the Python standard library's own source files read as bytes (one file
+  window per row; files are split into training and held-out by a hash of their path, so the
+  held-out rows come from files never trained on). The long-range tokens are those a copy from
+  beyond the window predicts: the label continues an earlier occurrence of the last 8 bytes that
+  lies further back than the L layers' window (identifiers, repeated calls, imports used later).
 - `recall`: a memory of `payload marker` pairs with markers unique in the row, then queries
   `marker payload` asking for the payload stored with that marker (harder: a tiny model needs
   thousands of steps). Printed per variant: held-out loss (all tokens), held-out recall loss (the
-tokens only a long-range look-up predicts), and for B layers the coverage of the dense attention mass by the selected
+tokens a long-range look-up predicts), and for B layers the coverage of the dense attention mass by the selected
 blocks and the indexer's KL at the start and the end of training.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import time
@@ -36,6 +42,64 @@ def copy_batch(batch_size: int, seq_len: int, generator: torch.Generator) -> dic
     recall = torch.zeros_like(ids, dtype=torch.bool)
     recall[:, half - 1: 2 * half - 1] = True  # the label of position i is token i + 1
     return _fields(ids, recall)
+
+
+CODE_MATCH = 8  # code task: an earlier 8-byte match beyond the window marks a long-range token
+
+
+class CodeCorpus:
+    """The standard library's .py files as bytes, split into train / held-out files by path hash."""
+
+    def __init__(self, seq_len: int, held_out_share: float = 0.1):
+        import hashlib
+        import pathlib
+        import sysconfig
+
+        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+        self.train, self.held_out = [], []
+        for path in sorted(root.rglob("*.py")):
+            if "site-packages" in path.parts:
+                continue
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            if len(data) <= seq_len:
+                continue
+            h = int(hashlib.sha1(str(path.relative_to(root)).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+            (self.held_out if h < held_out_share else self.train).append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        if len(self.train) < 10 or len(self.held_out) < 2:
+            raise SystemExit(f"the standard library at {root} has too few .py files longer than {seq_len} bytes for --task code")
+        self.seq_len = seq_len
+
+    def batch(self, batch_size: int, window: int, generator: torch.Generator, held_out: bool = False) -> dict[str, torch.Tensor]:
+        files = self.held_out if held_out else self.train
+        rows = []
+        for _ in range(batch_size):
+            f = files[int(torch.randint(len(files), (1,), generator=generator))]
+            o = int(torch.randint(len(f) - self.seq_len + 1, (1,), generator=generator))
+            rows.append(f[o: o + self.seq_len].long())
+        ids = torch.stack(rows)
+        return _fields(ids, long_range_tokens(ids, window))
+
+
+def long_range_tokens(ids: torch.Tensor, window: int, match: int = CODE_MATCH) -> torch.Tensor:
+    """[B, S] bool at position i when the label ids[i + 1] continues an earlier occurrence of
+    ids[i - match + 1 : i + 1] that ends more than `window` tokens back (the latest such one)."""
+    out = torch.zeros_like(ids, dtype=torch.bool)
+    for b, row in enumerate(ids.tolist()):
+        last: dict[tuple, int] = {}
+        pending: collections.deque = collections.deque()  # n-grams count once they leave the window
+        for i in range(match - 1, len(row) - 1):
+            while pending and pending[0][1] < i - window:
+                key, end = pending.popleft()
+                last[key] = end
+            key = tuple(row[i - match + 1: i + 1])
+            j = last.get(key)
+            if j is not None and row[j + 1] == row[i + 1]:
+                out[b, i] = True
+            pending.append((key, i))
+    return out
 
 
 def _fields(ids: torch.Tensor, recall: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -123,7 +187,9 @@ def held_out(model, batches) -> dict:
     return res
 
 
-def make_batch(args, g: torch.Generator) -> dict[str, torch.Tensor]:
+def make_batch(args, g: torch.Generator, held_out: bool = False) -> dict[str, torch.Tensor]:
+    if args.task == "code":
+        return args.corpus.batch(args.batch_size, args.window, g, held_out=held_out)
     if args.task == "copy":
         return copy_batch(args.batch_size, args.seq_len, g)
     return recall_batch(args.batch_size, args.seq_len, args.n_query, g)
@@ -164,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=150, help="dense warm-up steps of the B variants")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--task", choices=("copy", "recall"), default="copy")
+    p.add_argument("--task", choices=("copy", "recall", "code"), default="copy")
     p.add_argument("--n-query", type=int, default=64, help="recall task: queries per row")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dim", type=int, default=128)
@@ -174,11 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", default="dense,pooled,indexer")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=1, help="layers: the pattern LG (dense) / LB repeated this often")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
+    args.corpus = CodeCorpus(args.seq_len) if args.task == "code" else None
     g = torch.Generator().manual_seed(12345)
-    eval_batches = [make_batch(args, g) for _ in range(4)]
-    specs = {"dense": ("LG", "pooled"), "pooled": ("LB", "pooled"), "indexer": ("LB", "indexer")}
+    eval_batches = [make_batch(args, g, held_out=True) for _ in range(args.eval_batches)]
+    specs = {"dense": ("LG" * args.repeat, "pooled"), "pooled": ("LB" * args.repeat, "pooled"),
+             "indexer": ("LB" * args.repeat, "indexer")}
     rows = []
     for name in args.variants.split(","):
         pattern, selector = specs[name]

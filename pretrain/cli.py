@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "omniloom.model.cli",
     "omniloom.kernels.cli",
     "omniloom.pretrain.bench_hf",
+    "omniloom.pretrain.bench_decode",
 )
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)

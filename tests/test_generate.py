@@ -171,3 +171,21 @@ def test_a_bad_media_file_is_named_in_one_line(tok, tmp_path, capsys):
     assert main(["-qq", "generate", str(tmp_path / "export"), "--image", str(good), "--video", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--video {bad}: undecodable" in err
+
+
+def test_bench_decode_fills_each_layer_kind_and_counts_the_cache_exactly():
+    from omniloom.pretrain.bench_decode import bench_decode, format_rows
+
+    over = ["model.dim=32", "model.num_heads=2", "model.num_kv_heads=1", "model.moe.num_experts=4", "model.moe.num_experts_per_token=2", "model.moe.expert_dim=16",
+            "model.moe.dense_dim=32", "model.rope_sections=[4,6,6]", "model.vocab_size=64", "model.patch_token_id=8",
+            "model.attention.window=128", "model.attention.block_size=32", "model.attention.num_selected_blocks=2",
+            "model.attention.indexer_dim=8"]
+    rows = bench_decode("long_64k", over, contexts=[512], steps=2, device="cpu")
+    sparse, full = rows
+    assert full["variant"].startswith("full") and sparse["variant"] == "pattern GGGLLBLLBLLBLLB"
+    per_layer_kv = 512 * 1 * 16 * 2 * 4  # T x K x D x (k, v) x fp32
+    assert full["mb"]["G"] * 2**20 == 15 * per_layer_kv and full["mb"]["L"] == full["mb"]["B"] == 0
+    assert sparse["mb"]["G"] * 2**20 == 3 * per_layer_kv
+    assert sparse["mb"]["L"] * 2**20 == 8 * per_layer_kv * 128 // 512  # a window layer keeps its window
+    assert sparse["mb"]["B"] * 2**20 == 4 * (per_layer_kv + 512 * 1 * 8 * 4)  # + index keys, width 8
+    assert sparse["tok_s"] > 0 and len(format_rows(rows)) == 4
