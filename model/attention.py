@@ -229,6 +229,7 @@ class AttnContext:
         self.info, self.backend, self.num_selected = info, backend, num_selected_blocks
         self.dense_b, self.measure, self.sample_blocks = dense_b, measure, sample_blocks
         self.block_size = info.block_size
+        self.index_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # index RoPE angles (indexer_rope_dim > 0)
         self.b_stats: list[dict[str, torch.Tensor]] = []
         self.cache: dict[str, object] = {}
         if layout is not None and layout.seq_len != info.seq_len:
@@ -430,7 +431,7 @@ class Attention(nn.Module):
     """One attention layer: projections without bias, QK-norm (RMSNorm per head), M-RoPE, GQA."""
 
     def __init__(self, *, dim: int, num_heads: int, num_kv_heads: int, kind: str, qk_norm: bool, norm_eps: float, ops,
-                 indexer_heads: int = 0, indexer_dim: int = 0):
+                 indexer_heads: int = 0, indexer_dim: int = 0, indexer_rope_dim: int = 0):
         super().__init__()
         self.kind, self.ops, self.eps = kind, ops, norm_eps
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
@@ -441,7 +442,8 @@ class Attention(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         # B layers with selector=indexer: the learned block selector (reads the input detached)
-        self.indexer = (BlockIndexer(dim=dim, num_kv_heads=num_kv_heads, heads=indexer_heads, dim_idx=indexer_dim)
+        self.indexer = (BlockIndexer(dim=dim, num_kv_heads=num_kv_heads, heads=indexer_heads, dim_idx=indexer_dim,
+                                     rope_dim=indexer_rope_dim)
                         if kind == "B" and indexer_heads > 0 else None)
 
     def forward(self, x_BSD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
@@ -458,6 +460,6 @@ class Attention(nn.Module):
             k = self.ops.rms_norm(k, self.k_norm, self.eps)
         q = self.ops.apply_rope(q, cos_BSd, sin_BSd)
         k = self.ops.apply_rope(k, cos_BSd, sin_BSd)
-        index = self.indexer(x_BSD.detach(), ctx.block_size) if self.indexer is not None else None
+        index = self.indexer(x_BSD.detach(), ctx.block_size, ctx.index_rope) if self.indexer is not None else None
         out_BHSD = ctx.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kind, index=index)
         return self.wo(out_BHSD.transpose(1, 2).reshape(B, S, -1))

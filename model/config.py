@@ -36,7 +36,9 @@ class AttentionConfig:
                 trained by an auxiliary KL loss (`indexer_loss_coef`) toward the dense
                 attention's per-block mass on `indexer_sample_blocks` sampled query blocks per
                 row (stop-gradient on both the target and the indexer's input), so it never
-                pushes on the language model. See docs/sparse-attention.md.
+                pushes on the language model. `indexer_rope_dim`: the first that many index
+                dims are rotated by the token's (temporal) position, so the index can score by
+                distance as well as content (0: no position, NoPE). See docs/sparse-attention.md.
     dense_warmup_steps: B layers attend densely (as G) for the first N training steps while the
       indexer already learns; the trainer logs the switch.
 
@@ -57,6 +59,7 @@ class AttentionConfig:
     indexer_heads: int = 2
     indexer_loss_coef: float = 0.1
     indexer_sample_blocks: int = 16
+    indexer_rope_dim: int = 0
     dense_warmup_steps: int = 0
 
 
@@ -171,6 +174,9 @@ class ModelConfig:
             raise ValueError(f"model.attention.selector='{att.selector}': choose pooled or indexer")
         if att.selector == "indexer" and (att.indexer_dim < 1 or att.indexer_heads < 1 or att.indexer_sample_blocks < 1):
             raise ValueError("model.attention.indexer_dim, indexer_heads and indexer_sample_blocks must be >= 1")
+        if att.indexer_rope_dim < 0 or att.indexer_rope_dim % 2 or (att.selector == "indexer" and att.indexer_rope_dim > att.indexer_dim):
+            raise ValueError(f"model.attention.indexer_rope_dim={att.indexer_rope_dim} must be even and at most "
+                             f"indexer_dim ({att.indexer_dim}); 0 turns the index's position off")
         if att.indexer_loss_coef < 0 or att.dense_warmup_steps < 0:
             raise ValueError("model.attention.indexer_loss_coef and dense_warmup_steps must be >= 0")
         if moe.num_experts < 0 or moe.num_dense_layers < 0:

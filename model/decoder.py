@@ -26,6 +26,7 @@ from . import accounting
 from .attention import AttnContext, Attention, check_backend
 from .config import ModelConfig
 from .embeddings import MultimodalEmbedding, mrope_angles
+from .indexer import index_rope_angles
 from .masks import BatchLayout, batch_layout, build_mask_info
 from .moe import NUM_MODALITIES, MoE, SwiGLUMLP
 
@@ -67,7 +68,7 @@ class Block(nn.Module):
             dim=cfg.dim, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, kind=kind,
             qk_norm=cfg.attention.qk_norm, norm_eps=cfg.norm_eps, ops=ops,
             indexer_heads=cfg.attention.indexer_heads if cfg.attention.selector == "indexer" else 0,
-            indexer_dim=cfg.attention.indexer_dim,
+            indexer_dim=cfg.attention.indexer_dim, indexer_rope_dim=cfg.attention.indexer_rope_dim,
         )
         self.ffn_norm = nn.Parameter(torch.ones(cfg.dim))
         self.is_moe = cfg.is_moe_layer(layer)
@@ -155,6 +156,7 @@ class OmniModel(nn.Module):
         att = cfg.attention
         ctx = AttnContext(info, att.backend, att.num_selected_blocks, x_BSD.device, layout, dense_b=self.dense_b_layers,
                           measure=self.measure_attention, sample_blocks=att.indexer_sample_blocks)
+        ctx.index_rope = self.index_rope(positions)
         real_BS = input_ids != cfg.pad_token_id if cfg.pad_token_id >= 0 else None
         moe_stats = []
         for layer in self.layers:
@@ -212,6 +214,13 @@ class OmniModel(nn.Module):
             output_rms=output_rms, logits=logits, indexer_loss=indexer_loss, indexer_kl=indexer_kl,
             block_coverage=block_coverage,
         )
+
+    def index_rope(self, positions_B3S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The B-layer index branches' RoPE angles for these positions (None without them)."""
+        att = self.cfg.attention
+        if not (self.cfg.has_indexer and att.indexer_rope_dim):
+            return None
+        return index_rope_angles(positions_B3S[:, 0], att.indexer_rope_dim)
 
     def set_step(self, step: int) -> bool:
         """Tell the model the training step about to run: B layers attend densely while

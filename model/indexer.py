@@ -44,9 +44,9 @@ CAUSAL_MIN_CHUNK = 16  # ... but no smaller than this many query blocks (small r
 class BlockIndexer(nn.Module):
     """Index query heads (`heads` per kv head) and one index key head per kv head, width `dim_idx`."""
 
-    def __init__(self, *, dim: int, num_kv_heads: int, heads: int, dim_idx: int):
+    def __init__(self, *, dim: int, num_kv_heads: int, heads: int, dim_idx: int, rope_dim: int = 0):
         super().__init__()
-        self.num_kv_heads, self.heads, self.dim_idx = num_kv_heads, heads, dim_idx
+        self.num_kv_heads, self.heads, self.dim_idx, self.rope_dim = num_kv_heads, heads, dim_idx, rope_dim
         self.wq = nn.Linear(dim, num_kv_heads * heads * dim_idx, bias=False)
         self.wk = nn.Linear(dim, num_kv_heads * dim_idx, bias=False)
 
@@ -60,9 +60,38 @@ class BlockIndexer(nn.Module):
         B, S, _ = x_BSD.shape
         return self.wk(x_BSD).view(B, S, self.num_kv_heads, self.dim_idx).transpose(1, 2)
 
-    def forward(self, x_BSD: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(queries of every block's first token [B, K, Hi, Q, d], keys of every token [B, K, S, d])."""
-        return self.queries(x_BSD[:, ::block_size]), self.keys(x_BSD)
+    def forward(self, x_BSD: torch.Tensor, block_size: int,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries of every block's first token [B, K, Hi, Q, d], keys of every token [B, K, S, d]).
+        `rope`: (cos, sin) [B, S, rope_dim / 2] from `index_rope_angles` (rope_dim > 0)."""
+        q, k = self.queries(x_BSD[:, ::block_size]), self.keys(x_BSD)
+        if self.rope_dim:
+            if rope is None:
+                raise ValueError("this index branch rotates by position (indexer_rope_dim > 0): pass its angles")
+            cos, sin = rope
+            q = rotate_index(q, cos[:, None, None, ::block_size], sin[:, None, None, ::block_size])
+            k = rotate_index(k, cos[:, None], sin[:, None])
+        return q, k
+
+
+INDEX_ROPE_BASE = 10000.0
+
+
+def index_rope_angles(t_BS: torch.Tensor, rope_dim: int, base: float = INDEX_ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, S, rope_dim / 2] fp32 of the temporal positions `t_BS` (positions[:, 0]):
+    plain 1-D RoPE frequencies over the index's rotated dims."""
+    inv = base ** (-torch.arange(0, rope_dim, 2, device=t_BS.device, dtype=torch.float32) / rope_dim)
+    ang = t_BS.float().unsqueeze(-1) * inv
+    return ang.cos(), ang.sin()
+
+
+def rotate_index(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first 2 * cos.shape[-1] dims of x [..., S, d] (half-split pairs), the rest as is.
+    cos/sin broadcast to [..., S, r / 2]; computed in fp32, returned in x's dtype."""
+    h = cos.shape[-1]
+    x1, x2, rest = x[..., :h].float(), x[..., h:2 * h].float(), x[..., 2 * h:]
+    rot = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([rot, rest], dim=-1)
 
 
 def indexer_block_scores(iq_BKHQd: torch.Tensor, ik_BKSd: torch.Tensor, block_size: int, causal: bool = False) -> torch.Tensor:

@@ -156,9 +156,10 @@ class _PrefillContext(AttnContext):
 class _StepContext:
     """Stands in for AttnContext during a decode step: the new token attends to the cache."""
 
-    def __init__(self, decoder: "CachedDecoder", index: int):
+    def __init__(self, decoder: "CachedDecoder", index: int, index_rope=None):
         self.decoder, self.index, self.layer = decoder, index, -1
         self.block_size = decoder.block_size
+        self.index_rope = index_rope
 
     def attend(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None):
         return self.decoder._attend_step(self.layer, self.index, q_BHSD, k_BKSD, v_BKSD, index)
@@ -217,6 +218,7 @@ class CachedDecoder:
         info = build_mask_info(doc_ids, block_ids, block_size=self.block_size, window=self.window)
         ctx = _PrefillContext(self, info, cfg.attention.backend, self.num_selected, x_BSD.device,
                               dense_b=model.dense_b_layers)
+        ctx.index_rope = model.index_rope(positions)
         for i, layer in enumerate(model.layers):
             ctx.layer = i
             x_BSD, _ = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality)
@@ -240,7 +242,7 @@ class CachedDecoder:
         empty = torch.zeros(0, max(cfg.patch_dim, cfg.tubelet_dim), device=ids_B1.device)
         x_B1D = model.embed(ids_B1, empty, torch.zeros(0, dtype=torch.uint8, device=ids_B1.device))
         cos, sin = mrope_angles(positions_B31, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
-        ctx = _StepContext(self, self.length)
+        ctx = _StepContext(self, self.length, model.index_rope(positions_B31))
         for i, layer in enumerate(model.layers):
             ctx.layer = i
             x_B1D, _ = layer(x_B1D, cos, sin, ctx, modality_B1)

@@ -149,7 +149,8 @@ def read_safetensors(path: str | Path, device: str = "cpu") -> dict:
 # real model, and a negative size would otherwise surface as a torch error deep in a constructor.
 _MAX_INT = 2**31 - 1
 _MAY_BE_MINUS_ONE = {"patch_token_id", "pad_token_id"}
-_MAY_BE_ZERO = {"num_experts", "num_shared_experts", "num_dense_layers", "num_visual_experts", "dense_warmup_steps"}
+_MAY_BE_ZERO = {"num_experts", "num_shared_experts", "num_dense_layers", "num_visual_experts", "dense_warmup_steps",
+                "indexer_rope_dim"}
 
 
 def _check_bounds(cfg, path: str = "model") -> None:

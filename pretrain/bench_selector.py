@@ -148,6 +148,7 @@ def make_model(pattern: str, selector: str, args):
         patch_dim=8, tubelet_dim=8, z_loss_coef=0.0,
         attention=AttentionConfig(backend="blocksparse", pattern=pattern, window=args.window, block_size=args.block_size,
                                   num_selected_blocks=args.num_selected, selector=selector, indexer_dim=32, indexer_heads=2,
+                                  indexer_rope_dim=args.indexer_rope_dim,
                                   dense_warmup_steps=args.warmup, indexer_loss_coef=1.0),
         moe=MoEConfig(num_experts=0, dense_dim=4 * args.dim, num_dense_layers=len(pattern)),
     )
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", default="dense,pooled,indexer")
     p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--indexer-rope-dim", type=int, default=16, help="index dims (of 32) rotated by position; 0: no position")
     p.add_argument("--repeat", type=int, default=1, help="layers: the pattern LG (dense) / LB repeated this often")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)

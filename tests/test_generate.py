@@ -36,7 +36,8 @@ def tiny_model(tok, backend="blocksparse", pattern="LBG", modality_groups=False,
         dim=32, num_layers=len(pattern), num_heads=4, num_kv_heads=2, vocab_size=tok.vocab_size, patch_token_id=tok.patch_id,
         rope_sections=(2, 2, 4), patch_dim=tok.patch_dim, tubelet_dim=tok.tubelet_dim,
         attention=AttentionConfig(backend=backend, pattern=pattern, window=WINDOW, block_size=BLOCK, num_selected_blocks=num_selected,
-                                  selector=selector, indexer_dim=8),
+                                  selector=selector.split("+")[0], indexer_dim=8,
+                                  indexer_rope_dim=4 if selector.endswith("+rope") else 0),
         moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=16, num_dense_layers=1, dense_dim=32,
                       modality_groups=modality_groups),
     )
@@ -54,7 +55,8 @@ def image_prompt(tok):
     return p
 
 
-@pytest.mark.parametrize("backend,selector", [("blocksparse", "pooled"), ("sdpa", "pooled"), ("blocksparse", "indexer")])
+@pytest.mark.parametrize("backend,selector", [("blocksparse", "pooled"), ("sdpa", "pooled"), ("blocksparse", "indexer"),
+                                              ("blocksparse", "indexer+rope")])
 def test_greedy_with_and_without_cache_agree_for_an_image_prompt(tok, image_prompt, backend, selector):
     model = tiny_model(tok, backend, pattern="LBGB", modality_groups=backend == "sdpa", selector=selector, num_selected=3)
     n = 24  # the sequence (prompt 33 + 24) spans 8 key blocks and over 4 windows
@@ -63,7 +65,7 @@ def test_greedy_with_and_without_cache_agree_for_an_image_prompt(tok, image_prom
     assert cached.ids == full.ids and len(cached.ids) == n
 
 
-@pytest.mark.parametrize("selector", ["pooled", "indexer"])
+@pytest.mark.parametrize("selector", ["pooled", "indexer", "indexer+rope"])
 def test_cached_logits_match_full_forward_every_step(tok, image_prompt, selector):
     model = tiny_model(tok, pattern="LBG", selector=selector, num_selected=3)
     dec = CachedDecoder(model)

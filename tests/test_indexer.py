@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from omniloom.model import OmniModel
@@ -105,3 +106,23 @@ def test_sampled_query_blocks_are_spread_and_include_the_last():
     assert sampled_query_blocks(100, 1).tolist() == [99]
     got = sampled_query_blocks(512, 16).tolist()
     assert len(set(got)) == 16 and got[0] == 0 and got[-1] == 511
+
+
+def test_index_rope_scores_depend_on_relative_position_only():
+    """With indexer_rope_dim the index query . key depends on the two positions only through
+    their distance (what lets the selector learn recency), and a rope_dim of 0 leaves it as is."""
+    from omniloom.model.indexer import index_rope_angles, rotate_index
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+
+    def score(tq, tk, rope_dim=4):
+        cq, sq = index_rope_angles(torch.tensor([[tq]]), rope_dim)
+        ck, sk = index_rope_angles(torch.tensor([[tk]]), rope_dim)
+        return float((rotate_index(q.view(1, 1, 8), cq, sq) * rotate_index(k.view(1, 1, 8), ck, sk)).sum())
+
+    assert score(100, 40) == pytest.approx(score(1060, 1000), rel=1e-5)
+    assert score(100, 40) != pytest.approx(score(100, 90), rel=1e-3)
+    assert score(100, 40, rope_dim=0) == pytest.approx(float(q @ k))
+    with pytest.raises(ValueError, match="indexer_rope_dim"):
+        cfg_for(indexer_rope_dim=10).validate()  # more than indexer_dim 8

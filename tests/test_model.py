@@ -54,7 +54,7 @@ def test_flops_follow_each_layer_kind_sparsity():
     assert accounting.num_active_params(dense) == accounting.num_params(dense) - (12 + 24) * 32
 
 
-@pytest.mark.parametrize("selector", ["pooled", "indexer"])
+@pytest.mark.parametrize("selector", ["pooled", "indexer", "indexer+rope"])
 def test_sdpa_and_blocksparse_models_agree_forward_and_backward(selector):
     torch.manual_seed(0)
     batch = random_packed_batch(tiny_cfg(), batch_size=2, seq_len=100, seed=1)
@@ -62,7 +62,8 @@ def test_sdpa_and_blocksparse_models_agree_forward_and_backward(selector):
 
     def cfg(backend):
         return tiny_cfg(backend, attention=AttentionConfig(backend=backend, pattern="LBG", window=12, block_size=8,
-                                                           num_selected_blocks=3, selector=selector, indexer_dim=8))
+                                                           num_selected_blocks=3, selector=selector.split("+")[0],
+                                                           indexer_dim=8, indexer_rope_dim=4 if "+rope" in selector else 0))
 
     ref = OmniModel(cfg("sdpa"))
     other = OmniModel(cfg("blocksparse"))
@@ -79,12 +80,14 @@ def test_sdpa_and_blocksparse_models_agree_forward_and_backward(selector):
         torch.testing.assert_close(gb[name], ga[name], msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.fixture(scope="module", params=["pooled", "indexer"])
+@pytest.fixture(scope="module", params=["pooled", "indexer", "indexer+rope"])
 def masked_setup(request):
-    """The mask tests run through the whole model with either B-layer selector."""
+    """The mask tests run through the whole model with either B-layer selector (the indexer also
+    with positions: per-document positions must keep documents apart)."""
     torch.manual_seed(0)
     att = AttentionConfig(backend="blocksparse", pattern="LBG", window=12, block_size=8, num_selected_blocks=3,
-                          selector=request.param, indexer_dim=8)
+                          selector=request.param.split("+")[0], indexer_dim=8,
+                          indexer_rope_dim=4 if request.param.endswith("+rope") else 0)
     model = OmniModel(tiny_cfg(attention=att)).eval()
     batch = random_packed_batch(tiny_cfg(), batch_size=1, seq_len=120, docs_per_row=2, seed=2)
     with torch.no_grad():
