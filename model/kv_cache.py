@@ -25,6 +25,9 @@ What each layer kind keeps (the rule for query i and key j of one document, mask
     keys of every earlier token, max-pooled per block (the cache keeps the index keys, width
     `indexer_dim` per kv head, next to the keys and values).
   So cached decoding computes the same attention as the full forward.
+  With `offload_b=True` a B layer's keys and values live in host memory and only the blocks a
+  query block chose are copied to the model's device (once per query block); the device keeps
+  the index keys / block means and that working set.
 
 Generated tokens are text (causal); visual blocks come only from the prompt. One document per
 row: the prompt starts at position 0 and attention never needs a document mask.
@@ -62,6 +65,13 @@ class LayerCache:
     blocks_BKn: torch.Tensor | None = None
     _ik: torch.Tensor | None = None  # [B, K, capacity, d] index keys, in the model's dtype
     n_ik: int = 0
+    # B layers with their keys in host memory (CachedDecoder(offload_b=True)): the chosen blocks'
+    # keys/values on the model's device [B, K, n * bs, D], their token indices [B, K, n * bs],
+    # and which slot holds the query's own block (filled in token by token)
+    ws_k: torch.Tensor | None = None
+    ws_v: torch.Tensor | None = None
+    ws_tok: torch.Tensor | None = None
+    own_slot: int = 0
 
     @property
     def num_keys(self) -> int:
@@ -115,15 +125,14 @@ class LayerCache:
         self._idx[self.n:need] = idx_S
         self.n = need
 
+    def store_bytes(self) -> int:
+        """Bytes of the keys/values held (not the spare capacity)."""
+        return 0 if self._k is None else 2 * self.k_BKTD.numel() * self._k.element_size()
+
     def nbytes(self) -> int:
-        """Bytes of the keys/values held (not the spare capacity), block means and index keys."""
-        total = 0
-        if self._k is not None:
-            total += 2 * self.k_BKTD.numel() * self._k.element_size()
-        for extra in (self.kmean_BKnD, self.ik_BKTd):
-            if extra is not None:
-                total += extra.numel() * extra.element_size()
-        return total
+        """store_bytes() plus the block means, index keys and working set."""
+        extras = (self.kmean_BKnD, self.ik_BKTd, self.ws_k, self.ws_v)
+        return self.store_bytes() + sum(t.numel() * t.element_size() for t in extras if t is not None)
 
 
 def _grow(buf: torch.Tensor | None, n: int, extra: int, like_BKSx: torch.Tensor) -> torch.Tensor:
@@ -175,8 +184,13 @@ class CachedDecoder:
     Prompt tensors are PackedBatch fields of a single document without padding (doc_ids all 0).
     Logits come from the fp32 head, like `OmniModel.forward(return_logits=True)`."""
 
-    def __init__(self, model):
+    def __init__(self, model, offload_b: bool = False):
         self.model = model
+        # B layers' keys and values in host memory, the chosen blocks copied to the model's
+        # device once per query block: the device then holds only index keys / block means and
+        # (num_selected + 1) blocks per B layer (docs/sparse-attention.md, "Generation")
+        self.offload_b = offload_b
+        self.host = torch.device("cpu")
         cfg = model.cfg
         self.cfg = cfg
         att = cfg.attention
@@ -211,6 +225,7 @@ class CachedDecoder:
             raise ValueError("the prompt ends inside a visual block; end it with the block's close tag")
         if B > 1 and not bool((positions[:, :, -1] == positions[:1, :1, -1]).all()):
             raise ValueError("batched prompts must share one layout (same length and last position); decode them one by one")
+        self._check_offload()
         self.reset()
         x_BSD = model.embed(input_ids, patches, patch_kind)
         cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
@@ -233,6 +248,7 @@ class CachedDecoder:
         of the token after it. `modality_code`: 0 text, 1 code, 4 special (routes the MoE)."""
         if not self.caches or self.length == 0:
             raise ValueError("call prefill() with the prompt before step()")
+        self._check_offload()
         model, cfg = self.model, self.cfg
         ids_B1 = token_ids_B.reshape(-1, 1).to(next(model.parameters()).device)
         B = ids_B1.shape[0]
@@ -251,8 +267,23 @@ class CachedDecoder:
         return self._logits(x_B1D)
 
     def cache_bytes(self) -> int:
-        """Memory held by the cache (keys, values, block means)."""
+        """Memory held by the cache (keys, values, block means, index keys), wherever it lies."""
         return sum(c.nbytes() for c in self.caches)
+
+    def device_bytes(self) -> int:
+        """The part of cache_bytes() kept on the model's device: all of it without offload_b;
+        with it, the B layers' index keys or block means and their working sets only (their keys
+        and values stay in host memory; on a CPU-only machine both tiers are the same memory and
+        this counts the device tier)."""
+        return sum(c.nbytes() - c.store_bytes() if self._offloaded(c) else c.nbytes() for c in self.caches)
+
+    def _check_offload(self) -> None:
+        if self.offload_b and self.model.dense_b_layers:
+            raise ValueError("offload_b keeps B layers' keys in host memory and reads only their chosen blocks, but the "
+                             "model's B layers attend densely (dense warm-up): decode without offload_b")
+
+    def _offloaded(self, cache: LayerCache) -> bool:
+        return self.offload_b and cache.kind == "B"
 
     # ---- internals -----------------------------------------------------------------------------
     def _logits(self, x_B1D: torch.Tensor) -> torch.Tensor:
@@ -263,7 +294,8 @@ class CachedDecoder:
     def _record_prefill(self, layer: int, q_BHSD, k_BKSD, v_BKSD, index) -> None:
         cache = self.caches[layer]
         S = k_BKSD.shape[2]
-        cache.append(k_BKSD, v_BKSD, torch.arange(S, device=k_BKSD.device))
+        store = self.host if self._offloaded(cache) else k_BKSD.device
+        cache.append(k_BKSD.to(store), v_BKSD.to(store), torch.arange(S, device=store))
         if cache.kind != "B":
             return
         bs = self.block_size
@@ -278,12 +310,26 @@ class CachedDecoder:
             rep = n_done * bs
             rep_q = index[0][:, :, :, n_done] if index is not None else _group_sum(q_BHSD[:, :, rep], K)
             cache.blocks_BKn = self._choose_blocks(cache, n_done, rep_q)
+            if self._offloaded(cache):
+                self._load_working_set(cache, k_BKSD.device)
+
+    def _load_working_set(self, cache: LayerCache, dev: torch.device) -> None:
+        """Copy the chosen blocks' keys and values from host memory to `dev` (once per query
+        block). Slots of the own block past the newest token are filled as its tokens arrive."""
+        bs = self.block_size
+        tok = (cache.blocks_BKn.unsqueeze(-1) * bs + torch.arange(bs, device=cache.blocks_BKn.device)).flatten(2)
+        at = tok.to(self.host).clamp(max=cache.n - 1).unsqueeze(-1).expand(-1, -1, -1, cache.k_BKTD.shape[-1])
+        cache.ws_k = cache.k_BKTD.gather(2, at).to(dev)
+        cache.ws_v = cache.v_BKTD.gather(2, at).to(dev)
+        cache.ws_tok = tok
 
     def _attend_step(self, layer: int, i: int, q_BH1D, k_BK1D, v_BK1D, index) -> torch.Tensor:
         cache = self.caches[layer]
         dev = q_BH1D.device
         bs = self.block_size
-        cache.append(k_BK1D, v_BK1D, torch.tensor([i], device=dev))
+        offloaded = self._offloaded(cache)
+        store = self.host if offloaded else dev
+        cache.append(k_BK1D.to(store), v_BK1D.to(store), torch.tensor([i], device=store))
         B, H, _, D = q_BH1D.shape
         K = k_BK1D.shape[1]
         G = H // K
@@ -293,12 +339,21 @@ class CachedDecoder:
             if i % bs == 0:  # a new query block: choose the blocks it reads, from its first query
                 rep_q = index[0][:, :, :, 0] if index is not None else _group_sum(q_BH1D[:, :, 0], K)
                 cache.blocks_BKn = self._choose_blocks(cache, i // bs, rep_q)
-            # read only the chosen blocks' keys: [B, K, n * bs] token indices (absolute = cache slot)
-            tok = (cache.blocks_BKn.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(2)
-            allowed_BKT = tok <= i
-            tok = tok.clamp(max=i)
-            k = cache.k_BKTD.gather(2, tok.unsqueeze(-1).expand(-1, -1, -1, D))
-            v = cache.v_BKTD.gather(2, tok.unsqueeze(-1).expand(-1, -1, -1, D))
+                if offloaded:
+                    self._load_working_set(cache, dev)
+            elif offloaded:  # the own block's next token joins the working set
+                at = cache.own_slot * bs + i % bs
+                cache.ws_k[:, :, at:at + 1] = k_BK1D
+                cache.ws_v[:, :, at:at + 1] = v_BK1D
+            if offloaded:
+                k, v, allowed_BKT = cache.ws_k, cache.ws_v, cache.ws_tok <= i
+            else:
+                # read only the chosen blocks' keys: [B, K, n * bs] token indices (absolute = cache slot)
+                tok = (cache.blocks_BKn.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(2)
+                allowed_BKT = tok <= i
+                tok = tok.clamp(max=i)
+                k = cache.k_BKTD.gather(2, tok.unsqueeze(-1).expand(-1, -1, -1, D))
+                v = cache.v_BKTD.gather(2, tok.unsqueeze(-1).expand(-1, -1, -1, D))
         else:
             k, v, idx_T = cache.k_BKTD, cache.v_BKTD, cache.idx_T
             allowed_BKT = (idx_T <= i).view(1, 1, -1).expand(B, K, -1)
@@ -311,7 +366,7 @@ class CachedDecoder:
         out_BKGD = torch.einsum("bkgt,bktd->bkgd", probs, v)
         if cache.kind == "B" and index is None and (i + 1) % bs == 0:
             # block i // bs is complete: keep its mean key for later selections
-            blk = cache.k_BKTD[:, :, -bs:].float().mean(2, keepdim=True)
+            blk = cache.k_BKTD[:, :, -bs:].float().mean(2, keepdim=True).to(dev)
             cache.kmean_BKnD = blk if cache.kmean_BKnD is None else torch.cat([cache.kmean_BKnD, blk], dim=2)
         return out_BKGD.reshape(B, H, 1, D)
 
@@ -324,6 +379,7 @@ class CachedDecoder:
         B, K = rep_q.shape[:2]
         dev = rep_q.device
         forced = [qb] if qb == 0 else [0, qb]
+        cache.own_slot = forced.index(qb)
         base = torch.tensor(forced, device=dev).expand(B, K, len(forced))
         n_pick = min(self.num_selected - 1, qb - 1)
         if n_pick <= 0:

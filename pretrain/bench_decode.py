@@ -30,10 +30,11 @@ def fill_cache(decoder, context: int, generator) -> None:
     decoder.reset()
     for cache, layer in zip(decoder.caches, model.layers):
         start = 0 if cache.keep is None else max(0, context - cache.keep)  # a window layer keeps its window
+        store = decoder.host if decoder.offload_b and cache.kind == "B" else p.device
         for c0 in range(start, context, FILL_CHUNK):
             n = min(FILL_CHUNK, context - c0)
-            kv = torch.randn(2, 1, K, n, D, generator=generator, device=p.device, dtype=p.dtype)
-            cache.append(kv[0], kv[1], torch.arange(c0, c0 + n, device=p.device))
+            kv = torch.randn(2, 1, K, n, D, generator=generator, device=p.device, dtype=p.dtype).to(store)
+            cache.append(kv[0], kv[1], torch.arange(c0, c0 + n, device=store))
         if cache.kind != "B":
             continue
         indexer = getattr(layer.attn, "indexer", None)
@@ -49,7 +50,9 @@ def fill_cache(decoder, context: int, generator) -> None:
 
 def bench_decode(preset: str, overrides: list[str], *, contexts: list[int], steps: int, device: str,
                  dtype: str | None = None, seed: int = 0) -> list[dict]:
-    """One row per (context, variant): cache MB (total and per layer kind) and decode tokens/s."""
+    """One row per (context, variant): cache MB (total, on the model's device, per layer kind) and
+    decode tokens/s. Variants: the preset's pattern, the same with B layers' keys in host memory
+    (CachedDecoder(offload_b=True)), and every layer G."""
     import torch
 
     from omniloom.model import OmniModel
@@ -68,20 +71,23 @@ def bench_decode(preset: str, overrides: list[str], *, contexts: list[int], step
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[dtype]
     if torch_dtype is None:
         torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    variants = [("pattern " + cfg.attention.pattern, cfg),
-                ("full (all G)", dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, pattern="G")))]
+    variants = [("pattern " + cfg.attention.pattern, cfg, False)]
+    if "B" in cfg.attention.pattern:
+        variants.append(("same, B keys in host memory", cfg, True))
+    variants.append(("full (all G)", dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, pattern="G")), False))
     rows = []
-    for name, vcfg in variants:
-        torch.manual_seed(seed)
-        model = OmniModel(vcfg).to(device=device, dtype=torch_dtype).eval()
-        decoder = CachedDecoder(model)
+    model = None
+    for name, vcfg, offload in variants:
+        if model is None or model.cfg != vcfg:
+            model = None
+            torch.manual_seed(seed)
+            model = OmniModel(vcfg).to(device=device, dtype=torch_dtype).eval()
+        decoder = CachedDecoder(model, offload_b=offload)
         g = torch.Generator(device=device).manual_seed(seed)
         for T in contexts:
             if T % bs:
                 raise ValueError(f"--contexts: {T} is not a multiple of the block size {bs}")
             fill_cache(decoder, T, g)
-            mb = {kind: sum(c.nbytes() for c in decoder.caches if c.kind == kind) / 2**20 for kind in "LGB"}
-            total_mb = decoder.cache_bytes() / 2**20
             ids = torch.randint(0, vcfg.vocab_size, (steps + 2,), generator=g, device=device)
             with torch.no_grad():
                 for t in range(2):  # warm-up (not timed): the first step may allocate
@@ -94,18 +100,22 @@ def bench_decode(preset: str, overrides: list[str], *, contexts: list[int], step
                     decoder.step(ids[t + 2:t + 3])
                 sync()
                 secs = time.perf_counter() - t0
-            rows.append({"variant": name, "context": T, "cache_mb": total_mb, "mb": mb, "tok_s": steps / secs})
-        del model, decoder
+            # measured after the steps (T + steps tokens): offloaded B layers hold their working sets
+            mb = {kind: sum(c.nbytes() for c in decoder.caches if c.kind == kind) / 2**20 for kind in "LGB"}
+            rows.append({"variant": name, "context": T, "cache_mb": decoder.cache_bytes() / 2**20,
+                         "device_mb": decoder.device_bytes() / 2**20, "mb": mb, "tok_s": steps / secs})
+        del decoder
     return rows
 
 
 def format_rows(rows: list[dict]) -> list[str]:
     full = {r["context"]: r for r in rows if r["variant"].startswith("full")}
-    lines = ["| variant | context | cache MB | of full | L / G / B MB | decode tok/s | vs full |", "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | context | cache MB | on device MB | device / full | L / G / B MB | decode tok/s | vs full |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = full.get(r["context"])
         lines.append(
-            f"| {r['variant']} | {r['context']} | {r['cache_mb']:.1f} | {r['cache_mb'] / f['cache_mb']:.3f} | "
+            f"| {r['variant']} | {r['context']} | {r['cache_mb']:.1f} | {r['device_mb']:.1f} | {r['device_mb'] / f['device_mb']:.3f} | "
             f"{r['mb']['L']:.1f} / {r['mb']['G']:.1f} / {r['mb']['B']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / f['tok_s']:.2f}x |")
     return lines
 

@@ -76,6 +76,7 @@ def _generate(args) -> int:
     text, res = generate_from_export(
         args.model, args.prompt, image=args.image, video=args.video, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device, use_cache=not args.no_cache,
+        offload_b=args.offload_b_keys,
     )
     n = len(res.ids)
     log.info("%d prompt tokens, %d new tokens in %.2fs (%.1f tok/s), stopped by %s, cache %.1f KB",
@@ -144,6 +145,9 @@ def register(sub) -> None:
     p.add_argument("--out", default=None, help="also write the generated text to this file")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step (reference, slow)")
+    p.add_argument("--offload-b-keys", action="store_true",
+                   help="keep B layers' cached keys and values in host memory and copy only the blocks each query block "
+                   "chose to the device (less GPU memory at long context; same tokens)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: OMP_NUM_THREADS, else the cores available; decode steps are "
                    "small, so 1 is often fastest on a busy CPU)")
     p.set_defaults(func=_generate)

@@ -133,9 +133,11 @@ class Generation:
 
 @torch.no_grad()
 def generate(model, prompt: Prompt, *, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, use_cache: bool = True, eos_id: int | None = None, progress: bool = False) -> Generation:
+             seed: int = 0, use_cache: bool = True, eos_id: int | None = None, progress: bool = False,
+             offload_b: bool = False) -> Generation:
     """Continue `prompt` by up to `max_new_tokens` tokens. use_cache=False recomputes the whole
     sequence every step with the model's own forward (the reference the cache is tested against).
+    offload_b: B layers' cached keys and values in host memory (CachedDecoder(offload_b=True)).
     The model runs in eval mode and is put back in its previous mode afterwards."""
     from omniloom.tokenizers.layout import EOS_ID
 
@@ -152,19 +154,20 @@ def generate(model, prompt: Prompt, *, max_new_tokens: int = 64, temperature: fl
     model.eval()
     try:
         return _generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                         gen=gen, use_cache=use_cache, eos_id=eos_id, progress=progress, dev=dev)
+                         gen=gen, use_cache=use_cache, eos_id=eos_id, progress=progress, dev=dev, offload_b=offload_b)
     finally:
         model.train(was_training)
 
 
-def _generate(model, prompt: Prompt, *, max_new_tokens, temperature, top_p, gen, use_cache, eos_id, progress, dev) -> Generation:
+def _generate(model, prompt: Prompt, *, max_new_tokens, temperature, top_p, gen, use_cache, eos_id, progress, dev,
+              offload_b=False) -> Generation:
     from omniloom.model.kv_cache import CachedDecoder
 
     t0 = time.perf_counter()
     new: list[int] = []
     dec = None
     if use_cache:
-        dec = CachedDecoder(model)
+        dec = CachedDecoder(model, offload_b=offload_b)
         logits = dec.prefill(prompt.input_ids.to(dev), prompt.positions.to(dev), prompt.modality.to(dev),
                              prompt.block_ids.to(dev), prompt.patches.to(dev), prompt.patch_kind.to(dev))
     else:
@@ -214,7 +217,8 @@ def _build_prompt_naming_files(tok, prompt: str, media: dict, paths: dict):
 
 def generate_from_export(model_dir: str | Path, prompt: str = "", *, image: str | Path | None = None,
                          video: str | Path | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
-                         top_p: float = 1.0, seed: int = 0, device: str | None = None, use_cache: bool = True) -> tuple[str, Generation]:
+                         top_p: float = 1.0, seed: int = 0, device: str | None = None, use_cache: bool = True,
+                         offload_b: bool = False) -> tuple[str, Generation]:
     """Load an export folder and its tokenizer, build the prompt, generate; returns (text, Generation)."""
     from omniloom.model.pretrained import load_pretrained, read_export_config
     from omniloom.tokenizers.text import Tokenizer
@@ -235,6 +239,6 @@ def generate_from_export(model_dir: str | Path, prompt: str = "", *, image: str 
                          f"({tok.vocab_size}); re-export the run")
     p = _build_prompt_naming_files(tok, prompt, media, {"image": image, "video": video})
     result = generate(model, p, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                      use_cache=use_cache, progress=True)
+                      use_cache=use_cache, progress=True, offload_b=offload_b)
     ids = result.ids[:-1] if result.stopped_by == "eos" else result.ids
     return tok.decode(ids), result

@@ -65,10 +65,11 @@ def test_greedy_with_and_without_cache_agree_for_an_image_prompt(tok, image_prom
     assert cached.ids == full.ids and len(cached.ids) == n
 
 
-@pytest.mark.parametrize("selector", ["pooled", "indexer", "indexer+rope"])
-def test_cached_logits_match_full_forward_every_step(tok, image_prompt, selector):
+@pytest.mark.parametrize("selector,offload", [("pooled", False), ("indexer", False), ("indexer+rope", False),
+                                              ("pooled", True), ("indexer+rope", True)])
+def test_cached_logits_match_full_forward_every_step(tok, image_prompt, selector, offload):
     model = tiny_model(tok, pattern="LBG", selector=selector, num_selected=3)
-    dec = CachedDecoder(model)
+    dec = CachedDecoder(model, offload_b=offload)
     p = image_prompt
     logits = dec.prefill(p.input_ids, p.positions, p.modality, p.block_ids, p.patches, p.patch_kind)
     new = []
@@ -87,6 +88,18 @@ def test_cached_logits_match_full_forward_every_step(tok, image_prompt, selector
             assert cache.kmean_BKnD.shape[2] == total // BLOCK
         elif cache.kind == "B":  # the index key of every token, and a choice of at most num_selected blocks
             assert cache.ik_BKTd.shape[2] == total and cache.blocks_BKn.shape[-1] <= 3 + 1  # + the first block
+        if cache.kind == "B" and offload:  # the device tier holds the chosen blocks only
+            assert cache.ws_k.shape[2] == cache.blocks_BKn.shape[-1] * BLOCK
+    kv = {c.kind: c.store_bytes() for c in dec.caches}
+    assert dec.device_bytes() == dec.cache_bytes() - (kv["B"] if offload else 0)
+
+
+def test_offload_refuses_the_dense_warm_up(tok, image_prompt):
+    model = tiny_model(tok, pattern="LBG", selector="indexer", num_selected=3)
+    model.dense_b_layers = True
+    p = image_prompt
+    with pytest.raises(ValueError, match="dense warm-up"):
+        CachedDecoder(model, offload_b=True).prefill(p.input_ids, p.positions, p.modality, p.block_ids, p.patches, p.patch_kind)
 
 
 def test_video_and_image_prompt(tok):
@@ -139,6 +152,7 @@ def test_generate_cli_on_an_export(tok, tmp_path, capsys):
     assert main(argv) == 0
     first = out.read_text()
     assert main(argv) == 0 and out.read_text() == first  # same seed, same sample
+    assert main(argv + ["--offload-b-keys"]) == 0 and out.read_text() == first  # B keys in host memory: same tokens
     assert main(["-qq", "generate", str(tmp_path / "export"), "--image", str(tmp_path / "missing.png")]) == 2
     (tmp_path / "bad.png").write_bytes(b"not an image")
     assert main(["-qq", "generate", str(tmp_path / "export"), "--image", str(tmp_path / "bad.png")]) == 2
@@ -183,11 +197,19 @@ def test_bench_decode_fills_each_layer_kind_and_counts_the_cache_exactly():
             "model.attention.window=128", "model.attention.block_size=32", "model.attention.num_selected_blocks=2",
             "model.attention.indexer_dim=8"]
     rows = bench_decode("long_64k", over, contexts=[512], steps=2, device="cpu")
-    sparse, full = rows
+    sparse, offloaded, full = rows
     assert full["variant"].startswith("full") and sparse["variant"] == "pattern GGGLLBLLBLLBLLB"
-    per_layer_kv = 512 * 1 * 16 * 2 * 4  # T x K x D x (k, v) x fp32
-    assert full["mb"]["G"] * 2**20 == 15 * per_layer_kv and full["mb"]["L"] == full["mb"]["B"] == 0
-    assert sparse["mb"]["G"] * 2**20 == 3 * per_layer_kv
-    assert sparse["mb"]["L"] * 2**20 == 8 * per_layer_kv * 128 // 512  # a window layer keeps its window
-    assert sparse["mb"]["B"] * 2**20 == 4 * (per_layer_kv + 512 * 1 * 8 * 4)  # + index keys, width 8
-    assert sparse["tok_s"] > 0 and len(format_rows(rows)) == 4
+    T = 512 + 2  # measured after the two decode steps
+    kv = 1 * 16 * 2 * 4  # bytes per token and layer: K x D x (k, v) x fp32
+    index_keys = T * 1 * 8 * 4  # index width 8
+    MB = 2**20
+    assert full["mb"]["G"] * MB == 15 * T * kv and full["mb"]["L"] == full["mb"]["B"] == 0
+    assert sparse["mb"]["G"] * MB == 3 * T * kv
+    assert sparse["mb"]["L"] * MB == 8 * 128 * kv  # a window layer keeps its window
+    assert sparse["mb"]["B"] * MB == 4 * (T * kv + index_keys)
+    assert sparse["device_mb"] == sparse["cache_mb"] and full["device_mb"] == full["cache_mb"]
+    # offloaded: the B layers' keys leave the device; their index keys and 3 chosen blocks of 32 stay
+    working_set = 3 * 32 * kv
+    assert offloaded["device_mb"] * MB == 3 * T * kv + 8 * 128 * kv + 4 * (index_keys + working_set)
+    assert offloaded["cache_mb"] == sparse["cache_mb"] + 4 * working_set / MB
+    assert all(r["tok_s"] > 0 for r in rows) and len(format_rows(rows)) == 5
