@@ -124,17 +124,17 @@ class _ChunkedGatheredAttention(torch.autograd.Function):
             ctx.parts.append((c0, c1, qc, kg, vg, out))
             outs.append(out.detach())
         ctx.save_for_backward(kv_idx)
-        ctx.shapes = (q.shape, k_blocks.shape, bs)
+        ctx.shapes = (q.shape, q.dtype, k_blocks.shape, k_blocks.dtype, bs)
         return torch.cat(outs, 2)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         (kv_idx,) = ctx.saved_tensors
-        q_shape, kb_shape, bs = ctx.shapes
-        dq = grad.new_empty(q_shape)
-        dk = grad.new_zeros(kb_shape)
-        dv = grad.new_zeros(kb_shape)
+        q_shape, q_dtype, kb_shape, kb_dtype, bs = ctx.shapes  # (under autocast grad's dtype differs)
+        dq = grad.new_empty(q_shape, dtype=q_dtype)
+        dk = grad.new_zeros(kb_shape, dtype=kb_dtype)
+        dv = grad.new_zeros(kb_shape, dtype=kb_dtype)
         for c0, c1, qc, kg, vg, out in ctx.parts:
             gq, gk, gv = torch.autograd.grad(out, (qc, kg, vg), grad[:, :, c0 * bs:c1 * bs])
             dq[:, :, c0 * bs:c1 * bs] = gq

@@ -177,3 +177,25 @@ def test_flex_mask_mod_matches_sdpa_forward_on_cpu(kind):
     ctx = AttnContext(info, "sdpa", 3, q.device)
     sel = ctx.select(q, k) if kind == "B" else None  # B: the BlockMask comes from the selected kv blocks
     torch.testing.assert_close(ctx._flex(q, k, v, kind, sel), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_blocksparse_under_cpu_autocast_matches_one_chunk(monkeypatch):
+    """Under autocast the chunks' outputs (and so the incoming gradient) are bf16 while q/k/v stay
+    fp32: the chunked backward must hand back gradients in the inputs' dtypes."""
+    doc, blk = batch_fields(seq_len=96)
+    info = build_mask_info(doc, blk, block_size=8, window=12)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 96, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 96, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 96, 16, generator=g, requires_grad=True)
+    results = []
+    for chunk in (16, 1 << 30):
+        monkeypatch.setattr(attention_mod, "CHUNK_TOKENS_CPU", chunk)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = AttnContext(info, "blocksparse", 3, q.device).attend(q, k, v, "B")
+        assert out.dtype == torch.bfloat16
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        assert all(gr.dtype == torch.float32 for gr in grads)
+        results.append((out, *grads))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
