@@ -442,9 +442,11 @@ class Attention(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if qk_norm else None
         # B layers with selector=indexer: the learned block selector (reads the input detached)
-        self.indexer = (BlockIndexer(dim=dim, num_kv_heads=num_kv_heads, heads=indexer_heads, dim_idx=indexer_dim,
-                                     rope_dim=indexer_rope_dim)
-                        if kind == "B" and indexer_heads > 0 else None)
+        self.indexer = None
+        if kind == "B" and indexer_heads > 0:
+            with torch.random.fork_rng(devices=[]):  # building it leaves the RNG stream of the rest as is
+                self.indexer = BlockIndexer(dim=dim, num_kv_heads=num_kv_heads, heads=indexer_heads, dim_idx=indexer_dim,
+                                            rope_dim=indexer_rope_dim)
 
     def forward(self, x_BSD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         B, S, _ = x_BSD.shape

@@ -33,6 +33,11 @@ from .moe import NUM_MODALITIES, MoE, SwiGLUMLP
 IGNORE_INDEX = -100
 
 
+def is_indexer_param(name: str) -> bool:
+    """A parameter of a B layer's index branch (trained only by the indexer loss)."""
+    return ".indexer." in f".{name}"
+
+
 @dataclass
 class ModelOutput:
     """What one forward returns. Loss terms are the values added to `loss` (coefficients applied);
@@ -113,7 +118,10 @@ class OmniModel(nn.Module):
         depth; norms at 1, balancing biases at 0."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, p in self.named_parameters():
+        # the B layers' index branches last: with the same seed, a model with selector=indexer
+        # starts from the same language-model weights as one with selector=pooled
+        params = sorted(self.named_parameters(), key=lambda item: is_indexer_param(item[0]))
+        for name, p in params:
             if p.dim() == 1:
                 p.fill_(1.0)  # RMSNorm and QK-norm weights
             elif name.endswith("wo.weight") or "w_down" in name:

@@ -197,7 +197,11 @@ def make_batch(args, g: torch.Generator, held_out: bool = False) -> dict[str, to
 
 
 def train_variant(name: str, pattern: str, selector: str, args, eval_batches) -> dict:
+    from omniloom.model.decoder import is_indexer_param
+
     model = make_model(pattern, selector, args)
+    lm_params = [p for n, p in model.named_parameters() if not is_indexer_param(n)]
+    index_params = [p for n, p in model.named_parameters() if is_indexer_param(n)]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -208,7 +212,10 @@ def train_variant(name: str, pattern: str, selector: str, args, eval_batches) ->
         batch = make_batch(args, g)
         out = _forward(model, batch)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        # as the trainer does: the index branches clipped by their own norm
+        torch.nn.utils.clip_grad_norm_(lm_params, 1.0)
+        if index_params:
+            torch.nn.utils.clip_grad_norm_(index_params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()

@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from omniloom.model.decoder import is_indexer_param
+
 from . import build as B
 from .checkpoint import CheckpointManager, latest_checkpoint, resolve_resume
 from .config import RunConfig, load_config, to_yaml
@@ -125,6 +127,7 @@ class Trainer:
         self.has_indexer = bool(getattr(model.cfg, "has_indexer", False)) if kinds else False
         model = apply_parallelism(model, cfg.train, self.acc, expert_parallel=cfg.model.moe.expert_parallel)
         self.ep = find_plan(model)  # the expert-parallel plan, None without expert parallelism
+        self._param_split = None  # (language-model parameters, index-branch parameters), for clipping
         model = model.to(self.device)
         log.info("model: %s parameters on this rank%s", f"{sum(p.numel() for p in model.parameters()):,}",
                  f"; {self.ep.describe()}" if self.ep is not None else "")
@@ -311,13 +314,27 @@ class Trainer:
     def _clip_gradients(self) -> torch.Tensor | float | None:
         """Clip by the global gradient norm and return it. With expert parallelism the expert
         shards' gradients are first averaged over their replica group (DDP averages the rest)
-        and the norm adds up the shards of the expert group."""
+        and the norm adds up the shards of the expert group.
+
+        The B layers' index branches (selector=indexer) are clipped by their own norm: they learn
+        from their own loss only, and a large indexer gradient must not scale down the language
+        model's step (nor the other way round). The returned norm is the language model's."""
         max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        if self._param_split is None:
+            lm, index = [], []
+            for name, p in self.model.named_parameters():
+                (index if is_indexer_param(name) else lm).append(p)
+            self._param_split = (lm, index)
+        lm, index = self._param_split
         if self.ep is None:
-            return self.acc.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.ep.sync_grads()
-        self.acc.unscale_gradients()  # fp16 loss scaling; a no-op otherwise
-        return self.ep.clip_grad_norm_(self.model.parameters(), max_norm)
+            norm = self.acc.clip_grad_norm_(lm, max_norm)  # unscales every gradient first (fp16)
+        else:
+            self.ep.sync_grads()
+            self.acc.unscale_gradients()  # fp16 loss scaling; a no-op otherwise
+            norm = self.ep.clip_grad_norm_(lm, max_norm)
+        if index:
+            torch.nn.utils.clip_grad_norm_(index, max_norm)
+        return norm
 
     def _next_batch(self):
         """(batch on the device, its host-side attention layout or None, labelled tokens).

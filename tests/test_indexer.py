@@ -1,7 +1,7 @@
 """The learned B-layer selector (model.attention.selector=indexer): its loss trains only the index
 branch and falls, coverage means what it says, the dense warm-up is G attention, and the
-trainer logs the switch and the per-layer statistics. (The selection itself against an
-independent float64 reference: tests/test_indexer_reference.py.)"""
+trainer logs the switch and the per-layer statistics and clips the index branches apart. (The
+selection itself against an independent float64 reference: tests/test_indexer_reference.py.)"""
 
 from __future__ import annotations
 
@@ -126,3 +126,68 @@ def test_index_rope_scores_depend_on_relative_position_only():
     assert score(100, 40, rope_dim=0) == pytest.approx(float(q @ k))
     with pytest.raises(ValueError, match="indexer_rope_dim"):
         cfg_for(indexer_rope_dim=10).validate()  # more than indexer_dim 8
+
+
+def _indexer_trainer(tmp_path, *overrides):
+    from omniloom.pretrain import build as B
+    from omniloom.pretrain.bench import SyntheticLoader
+    from omniloom.pretrain.config import load_config
+    from omniloom.pretrain.train import Trainer
+
+    cfg = load_config("tiny", [
+        f"train.run_dir={tmp_path}", "checkpoint.every=0", "logging.tensorboard=false", "train.eval_every=0",
+        "model.vocab_size=512", "model.patch_token_id=8", "data.seq_len=96", "data.batch_size=2",
+        "model.attention.backend=blocksparse", "model.attention.pattern=LB", "model.attention.block_size=8",
+        "model.attention.num_selected_blocks=3", "model.attention.selector=indexer", "model.attention.indexer_dim=8",
+        "model.attention.indexer_rope_dim=4", "logging.every=1", *overrides])
+    return Trainer(cfg, build_model=B.build_model, progress=False,
+                   build_loader=lambda c, split, rank, world: SyntheticLoader(c, rank) if split == "train" else None)
+
+
+def test_trainer_logs_the_indexer_switch_and_per_layer_statistics(tmp_path, caplog):
+    import json
+    import logging
+
+    trainer = _indexer_trainer(tmp_path, "train.num_steps=4", "model.attention.dense_warmup_steps=2")
+    with caplog.at_level(logging.INFO, logger="omniloom.train"):
+        result = trainer.fit()
+    assert result.step == 4
+    text = caplog.text
+    assert "attend densely until step 2" in text and "dense warm-up over" in text
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    b = trainer.b_layers[0]
+    assert len(train) == 4 and all(f"indexer/kl_layer{b}" in r and "indexer/loss" in r for r in train)
+    assert all(0.0 <= r[f"attn/coverage_layer{b}"] <= 1.0 + 1e-6 for r in train)
+
+
+def test_index_branch_is_clipped_by_its_own_norm(tmp_path):
+    """A large indexer gradient must not scale down the language model's step: the trainer clips
+    the index branches separately and reports the language model's norm."""
+    from omniloom.model.decoder import is_indexer_param
+
+    trainer = _indexer_trainer(tmp_path, "train.num_steps=1", "optim.grad_clip=1.0")
+    model = trainer.model
+    for name, p in model.named_parameters():
+        p.grad = torch.full_like(p, 1e3 if is_indexer_param(name) else 1e-4)
+    lm = {n: p.grad.clone() for n, p in model.named_parameters() if not is_indexer_param(n)}
+    norm = trainer._clip_gradients()
+    want = torch.sqrt(sum((g.double() ** 2).sum() for g in lm.values()))
+    assert float(norm) == pytest.approx(float(want), rel=1e-4) and float(norm) < 1.0  # fp32 sums
+    for name, p in model.named_parameters():
+        if not is_indexer_param(name):
+            assert torch.equal(p.grad, lm[name]), name  # below the limit: untouched
+    index_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for n, p in model.named_parameters() if is_indexer_param(n)))
+    assert float(index_norm) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_index_branch_leaves_the_language_model_init_unchanged():
+    """Same seed, selector pooled or indexer: the same language-model weights (the index branch is
+    built and initialised off the main RNG stream), so a comparison of selectors compares selection."""
+    torch.manual_seed(0)
+    pooled = OmniModel(cfg_for(selector="pooled")).state_dict()
+    torch.manual_seed(0)
+    indexed = OmniModel(cfg_for(selector="indexer")).state_dict()
+    extra = [k for k in indexed if k not in pooled]
+    assert extra and all(".indexer." in k for k in extra)
+    assert all(torch.equal(pooled[k], indexed[k]) for k in pooled)
