@@ -65,9 +65,10 @@ class LayerCache:
     blocks_BKn: torch.Tensor | None = None
     _ik: torch.Tensor | None = None  # [B, K, capacity, d] index keys, in the model's dtype
     n_ik: int = 0
-    # B layers with their keys in host memory (CachedDecoder(offload_b=True)): the chosen blocks'
-    # keys/values on the model's device [B, K, n * bs, D], their token indices [B, K, n * bs],
-    # and which slot holds the query's own block (filled in token by token)
+    # B layers: the working set of the current query block, its chosen blocks' keys/values on
+    # the model's device [B, K, n * bs, D] (gathered once per block; from host memory with
+    # CachedDecoder(offload_b=True)), their token indices [B, K, n * bs], and which slot holds
+    # the query's own block (filled in token by token)
     ws_k: torch.Tensor | None = None
     ws_v: torch.Tensor | None = None
     ws_tok: torch.Tensor | None = None
@@ -310,15 +311,16 @@ class CachedDecoder:
             rep = n_done * bs
             rep_q = index[0][:, :, :, n_done] if index is not None else _group_sum(q_BHSD[:, :, rep], K)
             cache.blocks_BKn = self._choose_blocks(cache, n_done, rep_q)
-            if self._offloaded(cache):
-                self._load_working_set(cache, k_BKSD.device)
+            self._load_working_set(cache, k_BKSD.device)
 
     def _load_working_set(self, cache: LayerCache, dev: torch.device) -> None:
-        """Copy the chosen blocks' keys and values from host memory to `dev` (once per query
-        block). Slots of the own block past the newest token are filled as its tokens arrive."""
+        """Gather the chosen blocks' keys and values into one [B, K, n * bs, D] working set on
+        `dev`, once per query block (from host memory with offload_b): the steps of the block
+        read it without gathering again. Slots of the own block past the newest token are filled
+        as its tokens arrive (and masked until then)."""
         bs = self.block_size
         tok = (cache.blocks_BKn.unsqueeze(-1) * bs + torch.arange(bs, device=cache.blocks_BKn.device)).flatten(2)
-        at = tok.to(self.host).clamp(max=cache.n - 1).unsqueeze(-1).expand(-1, -1, -1, cache.k_BKTD.shape[-1])
+        at = tok.to(cache.k_BKTD.device).clamp(max=cache.n - 1).unsqueeze(-1).expand(-1, -1, -1, cache.k_BKTD.shape[-1])
         cache.ws_k = cache.k_BKTD.gather(2, at).to(dev)
         cache.ws_v = cache.v_BKTD.gather(2, at).to(dev)
         cache.ws_tok = tok
@@ -339,21 +341,13 @@ class CachedDecoder:
             if i % bs == 0:  # a new query block: choose the blocks it reads, from its first query
                 rep_q = index[0][:, :, :, 0] if index is not None else _group_sum(q_BH1D[:, :, 0], K)
                 cache.blocks_BKn = self._choose_blocks(cache, i // bs, rep_q)
-                if offloaded:
-                    self._load_working_set(cache, dev)
-            elif offloaded:  # the own block's next token joins the working set
+                self._load_working_set(cache, dev)
+            else:  # the own block's next token joins the working set
                 at = cache.own_slot * bs + i % bs
                 cache.ws_k[:, :, at:at + 1] = k_BK1D
                 cache.ws_v[:, :, at:at + 1] = v_BK1D
-            if offloaded:
-                k, v, allowed_BKT = cache.ws_k, cache.ws_v, cache.ws_tok <= i
-            else:
-                # read only the chosen blocks' keys: [B, K, n * bs] token indices (absolute = cache slot)
-                tok = (cache.blocks_BKn.unsqueeze(-1) * bs + torch.arange(bs, device=dev)).flatten(2)
-                allowed_BKT = tok <= i
-                tok = tok.clamp(max=i)
-                k = cache.k_BKTD.gather(2, tok.unsqueeze(-1).expand(-1, -1, -1, D))
-                v = cache.v_BKTD.gather(2, tok.unsqueeze(-1).expand(-1, -1, -1, D))
+            # read only the chosen blocks' keys, gathered once per query block
+            k, v, allowed_BKT = cache.ws_k, cache.ws_v, cache.ws_tok <= i
         else:
             k, v, idx_T = cache.k_BKTD, cache.v_BKTD, cache.idx_T
             allowed_BKT = (idx_T <= i).view(1, 1, -1).expand(B, K, -1)
