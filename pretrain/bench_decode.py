@@ -100,7 +100,7 @@ def bench_decode(preset: str, overrides: list[str], *, contexts: list[int], step
                     decoder.step(ids[t + 2:t + 3])
                 sync()
                 secs = time.perf_counter() - t0
-            # measured after the steps (T + steps tokens): offloaded B layers hold their working sets
+            # measured after the steps (T + steps tokens), when B layers hold their working sets
             mb = {kind: sum(c.nbytes() for c in decoder.caches if c.kind == kind) / 2**20 for kind in "LGB"}
             rows.append({"variant": name, "context": T, "cache_mb": decoder.cache_bytes() / 2**20,
                          "device_mb": decoder.device_bytes() / 2**20, "mb": mb, "tok_s": steps / secs})
