@@ -195,7 +195,7 @@ def test_bench_decode_fills_each_layer_kind_and_counts_the_cache_exactly():
     over = ["model.dim=32", "model.num_heads=2", "model.num_kv_heads=1", "model.moe.num_experts=4", "model.moe.num_experts_per_token=2", "model.moe.expert_dim=16",
             "model.moe.dense_dim=32", "model.rope_sections=[4,6,6]", "model.vocab_size=64", "model.patch_token_id=8",
             "model.attention.window=128", "model.attention.block_size=32", "model.attention.num_selected_blocks=2",
-            "model.attention.indexer_dim=8"]
+            "model.attention.indexer_dim=8", "model.attention.indexer_rope_dim=4"]
     rows = bench_decode("long_64k", over, contexts=[512], steps=2, device="cpu")
     sparse, offloaded, full = rows
     assert full["variant"].startswith("full") and sparse["variant"] == "pattern GGGLLBLLBLLBLLB"

@@ -189,7 +189,7 @@ def ref_selection(doc_ids: torch.Tensor, block_ids: torch.Tensor, scores: torch.
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[(0, 0), (1, 7)], ids=["model0-batch0", "model1-batch7"])
+@pytest.fixture(scope="module", params=[(0, 0), (2, 7)], ids=["model0-batch0", "model2-batch7"])
 def captured(request):
     """One float64 forward with selector=indexer (two model / batch seeds); the B layer's q, k,
     index, MaskInfo and sel."""
