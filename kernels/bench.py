@@ -30,6 +30,18 @@ from .ops import get_ops, triton_usable
 GiB = 1024**3
 
 
+def resolve_device(name: str) -> str:
+    """A benchmark's `--device`: `auto` is cuda when one is visible, else cpu; cuda without one,
+    or anything else, is a ValueError saying what to pass."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise ValueError(f"unknown --device {name!r}; use auto, cuda or cpu")
+    return name
+
+
 def case_at(op: str, s: dict, tokens: int) -> dict:
     """A MODEL_CASES shape with its token dimension set to `tokens` (widths unchanged)."""
     s = dict(s)

@@ -54,13 +54,7 @@ def _bench_kernels(args) -> int:
 
     from . import bench
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise ValueError(f"unknown --device {device!r}; use auto, cuda or cpu")
+    device = bench.resolve_device(args.device)
     on_cuda = device.startswith("cuda")
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if on_cuda else torch.float32)
     ops = [o for o in args.ops.split(",") if o]

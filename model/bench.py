@@ -37,7 +37,7 @@ def _time(fn, *, warmup: int, iters: int, sync) -> float:
     return statistics.median(times)
 
 
-def _sync_for(device: torch.device):
+def sync_for(device: torch.device):
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
@@ -63,7 +63,7 @@ def bench_moe_dispatch(*, device: torch.device, dim: int, num_experts: int, seq_
         def step(model=model):
             model.zero_grad(set_to_none=True)
             model(**batch).loss.backward()
-        out[mode] = tokens / _time(step, warmup=warmup, iters=iters, sync=_sync_for(device))
+        out[mode] = tokens / _time(step, warmup=warmup, iters=iters, sync=sync_for(device))
     return out
 
 
@@ -107,7 +107,7 @@ def bench_attention(*, device: torch.device, seq_lens: list[int], kinds: str, ba
 
         # warm up once per (kind, backend), at its shortest length: a warm-up at 16k sdpa costs a minute
         first = warmup_each or S == min(s for k_, b_, s in jobs if (k_, b_) == (kind, backend))
-        results[(kind, backend, S)] = _time(step, warmup=warmup if first else 0, iters=iters, sync=_sync_for(device))
+        results[(kind, backend, S)] = _time(step, warmup=warmup if first else 0, iters=iters, sync=sync_for(device))
     return results
 
 

@@ -46,14 +46,12 @@ def register_bench(bench_sub) -> None:
 def _bench_model(args) -> int:
     import torch
 
+    from omniloom.kernels.bench import resolve_device
+
     from . import bench
     from .attention import check_backend
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+    device = resolve_device(args.device)
     dev = torch.device(device)
     try:
         seq_lens = [int(s) for s in args.seq_lens.split(",") if s.strip()]

@@ -56,6 +56,7 @@ def bench_decode(preset: str, overrides: list[str], *, contexts: list[int], step
     import torch
 
     from omniloom.model import OmniModel
+    from omniloom.model.bench import sync_for
     from omniloom.model.kv_cache import CachedDecoder
 
     from .config import load_config
@@ -93,7 +94,7 @@ def bench_decode(preset: str, overrides: list[str], *, contexts: list[int], step
                 for t in range(2):  # warm-up (not timed): the first step may allocate
                     decoder.step(ids[t:t + 1])
                 fill_cache(decoder, T, g)  # back to exactly T, so the timed steps start a new block
-                sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+                sync = sync_for(torch.device(device))
                 sync()
                 t0 = time.perf_counter()
                 for t in range(steps):
@@ -140,11 +141,9 @@ def register_bench(bench_sub) -> None:
 def _bench_decode(args) -> int:
     import torch
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+    from omniloom.kernels.bench import resolve_device
+
+    device = resolve_device(args.device)
     try:
         contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     except ValueError:
