@@ -207,7 +207,7 @@ class CheckpointManager:
         info = json.loads((path / MARKER).read_text())
         saved_world = info.get("world_size")
         same_world = saved_world == self.acc.num_processes
-        if not same_world and (not isinstance(saved_world, int) or saved_world < 1 or self._sharded()):
+        if not same_world and (not isinstance(saved_world, int) or saved_world < 1 or self.sharded()):
             raise ValueError(f"checkpoint {path} was written by {saved_world} processes but this run has "
                              f"{self.acc.num_processes}; a sharded (FSDP) checkpoint resumes on the same world size "
                              f"only (launch with --num_processes {saved_world})")
@@ -222,7 +222,7 @@ class CheckpointManager:
         log.info("resumed from %s (step %d)", path, trainer_state.get("step", -1))
         return trainer_state, data_states
 
-    def _sharded(self) -> bool:
+    def sharded(self) -> bool:
         from accelerate.utils import DistributedType
 
         return self.acc.distributed_type == DistributedType.FSDP

@@ -90,7 +90,8 @@ def is_moe_module(module: nn.Module) -> bool:
                                                         for n in EXPERT_PARAM_NAMES)
 
 
-def check_expert_parallel(ep_size: int, world_size: int, num_experts: int, *, distributed_type: str = "") -> None:
+def check_expert_parallel(ep_size: int, world_size: int, num_experts: int, *, distributed_type: str = "",
+                          fsdp_version: int | None = None) -> None:
     """ValueError with what to change when `model.moe.expert_parallel` cannot run on this launch."""
     if ep_size < 1:
         raise ValueError(f"model.moe.expert_parallel must be >= 1, got {ep_size}")
@@ -101,9 +102,13 @@ def check_expert_parallel(ep_size: int, world_size: int, num_experts: int, *, di
                          f"launch with --num_processes a multiple of {ep_size} or lower model.moe.expert_parallel")
     if num_experts % ep_size:
         raise ValueError(f"model.moe.expert_parallel={ep_size} must divide model.moe.num_experts={num_experts}")
-    if "FSDP" in distributed_type or "DEEPSPEED" in distributed_type or "MEGATRON" in distributed_type:
+    if "DEEPSPEED" in distributed_type or "MEGATRON" in distributed_type:
         raise ValueError(f"model.moe.expert_parallel={ep_size} runs with DDP (configs/accelerate/multi_gpu.yaml, "
-                         f"ep_8gpu.yaml) only; {distributed_type} with expert parallelism is not supported yet")
+                         f"ep_8gpu.yaml) or FSDP2 (fsdp2.yaml, ep_fsdp2_8gpu.yaml); {distributed_type} with expert "
+                         f"parallelism is not supported")
+    if "FSDP" in distributed_type and fsdp_version not in (None, 2):
+        raise ValueError(f"model.moe.expert_parallel={ep_size} needs FSDP2 (fsdp_version: 2 in the accelerate config, "
+                         f"as configs/accelerate/fsdp2.yaml); FSDP1 would flatten the expert shards with the rest")
 
 
 def expert_group_ranks(world_size: int, ep_size: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -190,25 +195,44 @@ class ExpertParallel:
 
     @torch.no_grad()
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Clip every gradient by the global L2 norm (data-parallel gradients are the same on every
-        rank; expert shards add up over the expert group). Returns the norm before clipping, as
-        torch.nn.utils.clip_grad_norm_ does."""
+        """Clip every gradient by the global L2 norm and return the norm before clipping, as
+        torch.nn.utils.clip_grad_norm_ does. Data-parallel gradients are the same on every rank
+        (DDP), or sharded over every rank (FSDP2: DTensor, its squared norm summed over the
+        world); expert shards add up over the expert group."""
+        from torch.distributed.tensor import DTensor
+
         expert_ids = {id(p) for p in self.expert_params.values()}
-        dense, expert = [], []
+        dense, sharded, expert = [], [], []
         for p in parameters:
-            if p.grad is not None:
-                (expert if id(p) in expert_ids else dense).append(p.grad)
-        ref = (dense or expert)[0]
-        sq = torch.zeros(2, dtype=torch.float32, device=ref.device)
-        for i, gs in enumerate((dense, expert)):
+            g = p.grad
+            if g is None:
+                continue
+            if id(p) in expert_ids:
+                expert.append(g)
+            elif isinstance(g, DTensor):
+                if any(not pl.is_shard() for pl in g.placements):
+                    raise ValueError(f"a gradient with placements {g.placements}: only FSDP2's Shard placements "
+                                     f"are supported with expert parallelism")
+                sharded.append(g._local_tensor)
+            else:
+                dense.append(g)
+        ref = (dense or sharded or expert)[0]
+        dtype = torch.promote_types(ref.dtype, torch.float32)  # bf16 gradients: an fp32 sum
+        sq = torch.zeros(3, dtype=dtype, device=ref.device)
+        for i, gs in enumerate((dense, sharded, expert)):
             if gs:
-                sq[i] = torch.stack([n.float() for n in torch._foreach_norm(gs)]).pow(2).sum()
-        expert_sq = sq[1:2].clone()
-        dist.all_reduce(expert_sq, group=self.group)
-        total = (sq[0] + expert_sq[0]).sqrt()
+                sq[i] = torch.stack([n.to(dtype) for n in torch._foreach_norm(gs)]).pow(2).sum()
+        if self.world_size > 1 and dist.is_initialized():
+            shard_sq = sq[1:2].clone()
+            dist.all_reduce(shard_sq)  # FSDP2 shards over the whole world
+            expert_sq = sq[2:3].clone()
+            dist.all_reduce(expert_sq, group=self.group)
+            total = (sq[0] + shard_sq[0] + expert_sq[0]).sqrt()
+        else:
+            total = sq.sum().sqrt()
         if math.isfinite(max_norm):
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(dense + expert, coef.to(ref.dtype))
+            torch._foreach_mul_(dense + sharded + expert, coef.to(ref.dtype))
         return total
 
     # ---- checkpoints: full (unsharded) state dicts ----------------------------------------------
@@ -250,28 +274,33 @@ class ExpertParallel:
             if prefix + n in state_dict:
                 state_dict[prefix + n] = self._to_shard(state_dict[prefix + n], getattr(module, n).shape)
 
-    def _expert_indices(self, optimizer) -> dict[int, nn.Parameter]:
-        """Optimizer state-dict index -> expert parameter (torch numbers parameters across the
-        groups in order)."""
+    def _expert_keys(self, optimizer, state_dict) -> dict:
+        """State-dict key -> expert parameter: keys are the optimizer's own indices (torch numbers
+        parameters across the groups in order) or FQNs (torch.distributed.checkpoint's
+        set_optimizer_state_dict), paired with the live parameters group by group."""
         expert_ids = {id(p) for p in self.expert_params.values()}
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        return {i: p for i, p in enumerate(params) if id(p) in expert_ids}
+        out = {}
+        for saved, live in zip(state_dict["param_groups"], optimizer.param_groups):
+            for key, p in zip(saved["params"], live["params"]):
+                if id(p) in expert_ids:
+                    out[key] = p
+        return out
 
     def _optimizer_state_dict_hook(self, optimizer, state_dict):
         if not self._gather:
             return None
         state = dict(state_dict["state"])
-        for i, p in sorted(self._expert_indices(optimizer).items()):
-            if i in state:  # copies: the packed state shares its per-parameter dicts with the live optimizer
-                state[i] = {k: self._gather_full(v) if torch.is_tensor(v) and v.shape == p.shape else v
-                            for k, v in state[i].items()}
+        for key, p in self._expert_keys(optimizer, state_dict).items():
+            if key in state:  # copies: the packed state shares its per-parameter dicts with the live optimizer
+                state[key] = {k: self._gather_full(v) if torch.is_tensor(v) and v.shape == p.shape else v
+                              for k, v in state[key].items()}
         return {**state_dict, "state": state}
 
     def _optimizer_load_hook(self, optimizer, state_dict):
         state = dict(state_dict["state"])
-        for i, p in self._expert_indices(optimizer).items():
-            if i in state:
-                state[i] = {k: self._to_shard(v, p.shape) for k, v in state[i].items()}
+        for key, p in self._expert_keys(optimizer, state_dict).items():
+            if key in state:
+                state[key] = {k: self._to_shard(v, p.shape) for k, v in state[key].items()}
         return {**state_dict, "state": state}
 
     def attach_optimizer(self, optimizer) -> None:

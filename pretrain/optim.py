@@ -14,6 +14,7 @@ import math
 import torch
 
 from .config import OptimConfig
+from .expert_parallel import EXPERT_PARAM_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -28,28 +29,41 @@ def is_no_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim < 2 or any(part in lowered for part in NO_DECAY_NAME_PARTS)
 
 
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight: an MoE layer's own w_gate/w_up/w_down (a dense FFN's are `w_gate.weight`)."""
+    return name.rsplit(".", 1)[-1] in EXPERT_PARAM_NAMES
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Split trainable parameters into a decayed and a non-decayed AdamW group.
 
     Each group carries `names` (kept out of the optimizer's state dict keys by torch) so tests and
-    logs can check which parameter went where."""
-    decay, no_decay, decay_names, no_decay_names = [], [], [], []
+    logs can check which parameter went where.
+
+    A model sharded with FSDP2 (DTensor parameters) gets the routed experts' weights in a group
+    of their own: under expert parallelism they stay plain tensors outside FSDP, and the for-each
+    and fused AdamW kernels take one kind per call. The split does not depend on the
+    expert-parallel degree, so an FSDP2 checkpoint's optimizer groups (which
+    torch.distributed.checkpoint matches by position) line up when resuming with another one."""
+    from torch.distributed.tensor import DTensor
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sharded_model = any(isinstance(p, DTensor) for _, p in named)
+    buckets: dict[tuple[bool, bool], tuple[list, list]] = {}
     seen: set[int] = set()
-    for name, param in model.named_parameters():
-        if not param.requires_grad or id(param) in seen:
+    for name, param in named:
+        if id(param) in seen:
             continue
         seen.add(id(param))
-        if is_no_decay(name, param):
-            no_decay.append(param)
-            no_decay_names.append(name)
-        else:
-            decay.append(param)
-            decay_names.append(name)
+        key = (not is_no_decay(name, param), sharded_model and is_expert_param(name))
+        params, names = buckets.setdefault(key, ([], []))
+        params.append(param)
+        names.append(name)
     groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay, "names": decay_names})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0, "names": no_decay_names})
+    for key in ((True, False), (True, True), (False, False), (False, True)):  # decayed first, as before the split
+        if key in buckets:
+            params, names = buckets[key]
+            groups.append({"params": params, "weight_decay": weight_decay if key[0] else 0.0, "names": names})
     if not groups:
         raise ValueError("the model has no trainable parameters; check requires_grad on its modules")
     return groups

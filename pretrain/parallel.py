@@ -2,7 +2,9 @@
 in a fixed order: expert parallelism (pretrain/expert_parallel.py), then activation checkpointing,
 then torch.compile, per transformer block. Data parallelism
 and FSDP2 sharding come after, from `accelerator.prepare` and the accelerate config file
-(`configs/accelerate/fsdp2.yaml` wraps the same transformer blocks). Also: deterministic mode.
+(`configs/accelerate/fsdp2.yaml` wraps the same transformer blocks); with expert parallelism
+under FSDP2 the trainer shards here instead (`apply_fsdp2`: accelerate cannot leave the expert
+shards out), and accelerate takes the sharded model as it is. Also: deterministic mode.
 
 Order matters (as in torchtitan): checkpointing wraps the block's forward, compile then traces the
 wrapped forward, and sharding wraps the compiled blocks last.
@@ -79,10 +81,14 @@ def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator, *, expert_
         from .expert_parallel import check_expert_parallel, parallelize_experts
 
         num_experts = getattr(getattr(getattr(model, "cfg", None), "moe", None), "num_experts", expert_parallel)
+        plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
         check_expert_parallel(expert_parallel, accelerator.num_processes, num_experts,
-                              distributed_type=str(getattr(accelerator, "distributed_type", "")))
+                              distributed_type=str(getattr(accelerator, "distributed_type", "")),
+                              fsdp_version=getattr(plugin, "fsdp_version", None))
         plan = parallelize_experts(model, expert_parallel)
         log.info("%s", plan.describe())
+    else:
+        plan = None
     if train_cfg.activation_checkpointing:
         n = apply_activation_checkpointing(model)
         log.info("activation checkpointing on %d blocks", n)
@@ -93,9 +99,52 @@ def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator, *, expert_
         n = apply_compile(model)
         log.info("torch.compile on %d blocks", n)
     dist_type = str(getattr(accelerator, "distributed_type", ""))
-    if "FSDP" in dist_type:
+    if "FSDP" in dist_type and plan is not None:
+        # accelerate's FSDP2 would shard the expert shards too: shard here, leaving them out
+        # (their replica group syncs them, ExpertParallel.sync_grads); accelerate.prepare then
+        # takes the FSDPModule as it is
+        model.to(accelerator.device)
+        n = apply_fsdp2(model, ignored_params=plan.expert_params.values(), **_fsdp2_settings(accelerator))
+        log.info("FSDP2 over %d ranks on %d %s blocks and the root; the expert shards stay out (replicated over "
+                 "their replica group of %d)", accelerator.num_processes, n, ", ".join(block_class_names(model)),
+                 plan.num_replicas)
+    elif "FSDP" in dist_type:
         log.info("FSDP from the accelerate config will wrap %s", ", ".join(block_class_names(model)))
     return model
+
+
+def apply_fsdp2(model: torch.nn.Module, *, ignored_params=(), mp_policy=None, offload_policy=None,
+                reshard_after_forward: bool = True, mesh=None) -> int:
+    """FSDP2 (`fully_shard`) on each transformer block, then on the root (embeddings, norms, the
+    output head): every parameter becomes a DTensor sharded over `mesh` (all ranks by default),
+    except `ignored_params`, which stay plain tensors that FSDP neither gathers nor reduces (the
+    expert shards of expert parallelism, whose owner syncs them). Collective; call after
+    activation checkpointing and compile, with the model on its device. Returns the block count."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy(),
+              "reshard_after_forward": reshard_after_forward, "mesh": mesh}
+    ignored = set(ignored_params)
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    # the root's parameters are gathered once for the whole forward (the output head runs last)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    return len(blocks)
+
+
+def _fsdp2_settings(accelerator) -> dict:
+    """mp_policy / offload_policy / reshard_after_forward of the accelerate config's FSDP plugin."""
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    if plugin is None:
+        return {}
+    if getattr(plugin, "fsdp_version", 2) != 2:
+        raise ValueError("expert parallelism needs FSDP2: set fsdp_version: 2 in the accelerate config")
+    # as accelerate's fsdp2_prepare_model passes them
+    return {"reshard_after_forward": bool(plugin.reshard_after_forward), "offload_policy": plugin.cpu_offload,
+            "mp_policy": plugin.mixed_precision_policy}
 
 
 def seed_everything(seed: int) -> None:

@@ -475,7 +475,11 @@ class Trainer:
                              f"world size; launch with --num_processes {len(states)}")
 
     def _restore(self, path: Path) -> list:
-        trainer_state, data_state = self.ckpt.load(path)
+        # FSDP2 loads through state_dict() templates: with expert parallelism they must have the
+        # full expert shapes the checkpoint holds (sliced back to this rank's shard on load)
+        full = self.ep.full_state_dict() if self.ep is not None and self.ckpt.sharded() else contextlib.nullcontext()
+        with full:
+            trainer_state, data_state = self.ckpt.load(path)
         self.step = int(trainer_state["step"])
         self.tokens_seen = int(trainer_state["tokens_seen"])
         self.scheduler.load_state_dict(trainer_state["scheduler"])

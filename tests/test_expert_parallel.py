@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from omniloom.model import OmniModel
 from omniloom.model.config import ModelConfig, MoEConfig
 from omniloom.pretrain.expert_parallel import check_expert_parallel, expert_group_ranks, parallelize_experts
 
@@ -52,8 +53,11 @@ def test_config_rejects_expert_parallel_that_does_not_divide_the_experts():
 def test_launch_checks_name_what_to_change():
     with pytest.raises(ValueError, match="must divide the number of processes \\(6\\)"):
         check_expert_parallel(4, 6, 8)
-    with pytest.raises(ValueError, match="DDP"):
-        check_expert_parallel(2, 4, 8, distributed_type="DistributedType.FSDP")
+    with pytest.raises(ValueError, match="DDP .* or FSDP2"):
+        check_expert_parallel(2, 4, 8, distributed_type="DistributedType.DEEPSPEED")
+    with pytest.raises(ValueError, match="fsdp_version: 2"):
+        check_expert_parallel(2, 4, 8, distributed_type="DistributedType.FSDP", fsdp_version=1)
+    check_expert_parallel(2, 4, 8, distributed_type="DistributedType.FSDP", fsdp_version=2)
     check_expert_parallel(1, 3, 5)  # expert_parallel 1: anything goes
     check_expert_parallel(2, 4, 8, distributed_type="DistributedType.MULTI_GPU")
 
@@ -96,6 +100,72 @@ def test_ep_with_data_parallel_equals_one_process_model(tmp_path, nproc, ep, dis
     """EP 2 x DP 2 (replica groups average the expert shards), EP 4 over 4 processes, and a rank
     that receives no rows at all (text-only batches, its experts all visual)."""
     _parity(tmp_path, nproc, ep, dispatch, variant)
+
+
+# ---- FSDP2 (fully_shard over gloo): non-expert parameters sharded over all ranks ---------------------
+FSDP_WORKER = Path(__file__).with_name("ep_fsdp_worker.py")
+
+
+def _fsdp(tmp_path, nproc: int, ep: int, resume_ep: int) -> dict:
+    """20 AdamW steps with FSDP2 + expert parallelism against a 1-process model; a checkpoint at
+    step 10 resumed with another expert-parallel degree (see tests/ep_fsdp_worker.py)."""
+    from omniloom.pretrain.export import read_dcp_state_dict
+
+    run_torchrun([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                  str(FSDP_WORKER), str(tmp_path), str(ep), str(resume_ep)])
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert (res["world"], res["ep"], res["resume_ep"]) == (nproc, ep, resume_ep)
+    first = res["first"]
+    assert abs(first["loss"] - first["want"]) <= 1e-9 * first["want"], first
+    assert abs(first["norm"] - first["want_norm"]) <= 1e-9 * first["want_norm"], first
+    assert first["norm"] > 0.5  # the clip (0.5) acted on step 1
+    assert res["step1_grad_err"] < 1e-5, res  # every gradient, after the expert sync and the clip
+    assert res["routing_flips"] == [], res  # (float64: no near-tie routing decision differs)
+    assert len(res["losses"]) == 20 and res["losses"][-1] < res["losses"][0]
+    for got, want in zip(res["losses"], res["ref_losses"]):
+        assert got == pytest.approx(want, rel=1e-8)
+    assert res["final_weight_err"] < 1e-4, res  # every weight after 20 steps (the router's fp32 logits: ~1e-6)
+    # the step-10 checkpoint: loaded exactly, and steps 11-20 with the other EP degree repeat the run
+    assert res["load_err"] == 0.0, res
+    assert res["resumed_losses"] == pytest.approx(res["losses"][10:], rel=1e-12)
+    assert res["resumed_weight_err"] < 1e-4, res
+    # memory: the experts are 1/EP per rank, the rest 1/world
+    assert res["expert_numel"] * ep == 2 * 3 * 8 * 32 * 16  # 2 MoE layers x 3 matrices x 8 experts x 32 x 16
+    assert res["dense_sum"] == res["full_dense"] and res["dense_max"] <= res["full_dense"] / nproc * 1.2, res
+    # the checkpoint folder (accelerate's FSDP2 layout) holds every expert, as export reads it
+    saved = torch.load(tmp_path / "saved_full.pt", weights_only=True)
+    exported = read_dcp_state_dict(tmp_path / "ckpt" / "pytorch_model_fsdp_0")
+    assert exported.keys() == saved.keys()
+    for k in saved:
+        assert torch.equal(exported[k], saved[k]), k
+    assert exported["layers.1.ffn.w_gate"].shape[0] == 8
+    return res
+
+
+def test_fsdp2_with_ep2_trains_like_one_process_and_resumes_with_ep1(tmp_path):
+    _fsdp(tmp_path, 2, 2, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep,resume_ep", [(2, 4), (4, 2)])
+def test_fsdp2_with_ep_and_data_parallel_over_four_processes(tmp_path, ep, resume_ep):
+    """EP 2 x DP 2 (FSDP2 over 4 ranks, expert shards averaged over their replica group) resumed
+    with EP 4, and EP 4 resumed with EP 2 x DP 2."""
+    _fsdp(tmp_path, 4, ep, resume_ep)
+
+
+def test_expert_weights_get_their_own_optimizer_groups_only_under_fsdp2():
+    """DDP keeps two groups (its checkpoints resume as before); FSDP2 splits the routed experts'
+    weights off at every expert-parallel degree, so its checkpoints resume across degrees."""
+    from omniloom.pretrain.optim import is_expert_param, param_groups
+
+    model = OmniModel(ModelConfig(dim=32, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=64,
+                                  rope_sections=(2, 2, 4), patch_dim=12, tubelet_dim=24,
+                                  moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=16,
+                                                num_dense_layers=1, dense_dim=32)))
+    groups = param_groups(model, 0.1)
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert is_expert_param("layers.1.ffn.w_gate") and not is_expert_param("layers.0.ffn.w_gate.weight")
 
 
 # ---- the trainer under accelerate launch (DDP over gloo) ------------------------------------------
