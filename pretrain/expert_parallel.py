@@ -18,6 +18,12 @@ Gradients: the expert shard's gradient on a rank already sums the contributions 
 its expert group routed to it. `ExpertParallel.sync_grads` sums it over the replica group and
 divides by W, which is exactly what DDP's averaging does to the data-parallel parameters (the
 trainer scales each rank's loss by W). `clip_grad_norm_` clips by the global norm.
+
+FSDP2: the trainer shards everything else over all W ranks with `fully_shard`
+(pretrain/parallel.py: apply_fsdp2), passing the expert shards as ignored parameters, so they stay
+plain tensors synced as above while FSDP reduce-scatters (and averages) the rest; the clip then
+adds the DTensor shards' squared norms over the world. The expert shards are not sharded further
+over their replica group (torchtitan's dp_mod_ep mesh does that).
 """
 
 from __future__ import annotations

@@ -34,28 +34,30 @@ def is_expert_param(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in EXPERT_PARAM_NAMES
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: torch.nn.Module, weight_decay: float, *, separate_experts: bool | None = None) -> list[dict]:
     """Split trainable parameters into a decayed and a non-decayed AdamW group.
 
     Each group carries `names` (kept out of the optimizer's state dict keys by torch) so tests and
     logs can check which parameter went where.
 
-    A model sharded with FSDP2 (DTensor parameters) gets the routed experts' weights in a group
-    of their own: under expert parallelism they stay plain tensors outside FSDP, and the for-each
-    and fused AdamW kernels take one kind per call. The split does not depend on the
-    expert-parallel degree, so an FSDP2 checkpoint's optimizer groups (which
-    torch.distributed.checkpoint matches by position) line up when resuming with another one."""
+    `separate_experts` (the trainer sets it under FSDP2; by default: when the model already has
+    sharded DTensor parameters) puts the routed experts' weights in groups of their own: under
+    expert parallelism they stay plain tensors outside FSDP, and the for-each and fused AdamW
+    kernels take one kind per call. The split does not depend on the expert-parallel degree, so
+    an FSDP2 checkpoint's optimizer groups (which torch.distributed.checkpoint matches by
+    position) line up when resuming with another one."""
     from torch.distributed.tensor import DTensor
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sharded_model = any(isinstance(p, DTensor) for _, p in named)
+    if separate_experts is None:
+        separate_experts = any(isinstance(p, DTensor) for _, p in named)
     buckets: dict[tuple[bool, bool], tuple[list, list]] = {}
     seen: set[int] = set()
     for name, param in named:
         if id(param) in seen:
             continue
         seen.add(id(param))
-        key = (not is_no_decay(name, param), sharded_model and is_expert_param(name))
+        key = (not is_no_decay(name, param), separate_experts and is_expert_param(name))
         params, names = buckets.setdefault(key, ([], []))
         params.append(param)
         names.append(name)
@@ -69,11 +71,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, *, separate_experts: bool | None = None) -> torch.optim.AdamW:
     """AdamW over `param_groups`; fused (one kernel per parameter group: same math, faster) when
     every parameter lives on CUDA, or on the CPU as plain tensors (CPU fused AdamW took 59 ms
     against 226 ms per update; sharded DTensor parameters on CPU keep the for-each path)."""
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay, separate_experts=separate_experts)
     params = [p for g in groups for p in g["params"]]
     on_cuda = all(p.is_cuda for p in params)
     plain_cpu = all(p.device.type == "cpu" and type(p.data) is torch.Tensor for p in params)

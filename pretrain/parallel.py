@@ -104,10 +104,13 @@ def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator, *, expert_
         # (their replica group syncs them, ExpertParallel.sync_grads); accelerate.prepare then
         # takes the FSDPModule as it is
         model.to(accelerator.device)
+        names = ", ".join(block_class_names(model))  # before fully_shard renames the class Block to FSDPBlock
+        if plugin is not None:  # resolve accelerate's wrap policy by that name too
+            plugin.set_auto_wrap_policy(model)
         n = apply_fsdp2(model, ignored_params=plan.expert_params.values(), **_fsdp2_settings(accelerator))
-        log.info("FSDP2 over %d ranks on %d %s blocks and the root; the expert shards stay out (replicated over "
-                 "their replica group of %d)", accelerator.num_processes, n, ", ".join(block_class_names(model)),
-                 plan.num_replicas)
+        log.info("FSDP2 over %d ranks on %d %s blocks and the root; the expert shards stay out%s",
+                 accelerator.num_processes, n, names,
+                 f" (replicated over their replica group of {plan.num_replicas})" if plan.num_replicas > 1 else "")
     elif "FSDP" in dist_type:
         log.info("FSDP from the accelerate config will wrap %s", ", ".join(block_class_names(model)))
     return model

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from omniloom.model.decoder import is_indexer_param
 
@@ -129,9 +130,10 @@ class Trainer:
         self.ep = find_plan(model)  # the expert-parallel plan, None without expert parallelism
         self._param_split = None  # (language-model parameters, index-branch parameters), for clipping
         model = model.to(self.device)
-        log.info("model: %s parameters on this rank%s", f"{sum(p.numel() for p in model.parameters()):,}",
-                 f"; {self.ep.describe()}" if self.ep is not None else "")
-        optimizer = build_optimizer(model, cfg.optim)
+        held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+        log.info("model: %s parameters on this rank%s", f"{held:,}", f"; {self.ep.describe()}" if self.ep is not None else "")
+        # FSDP2: the routed experts in optimizer groups of their own, at every expert-parallel degree
+        optimizer = build_optimizer(model, cfg.optim, separate_experts=bool(getattr(self.acc, "is_fsdp2", False)))
         if self.ep is not None:
             self.ep.attach_optimizer(optimizer)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
@@ -328,6 +330,8 @@ class Trainer:
         lm, index = self._param_split
         if self.ep is None:
             norm = self.acc.clip_grad_norm_(lm, max_norm)  # unscales every gradient first (fp16)
+            if isinstance(norm, DTensor):  # FSDP2: the norm of sharded gradients, replicated
+                norm = norm.full_tensor()
         else:
             self.ep.sync_grads()
             self.acc.unscale_gradients()  # fp16 loss scaling; a no-op otherwise

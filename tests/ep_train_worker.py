@@ -5,6 +5,14 @@ trainer tests. Launched with `accelerate launch --config_file configs/accelerate
                                                  and OUT/full_params.pt (every expert, gathered)
     ep_train_worker.py step OUT key=value ...    one _train_step on fixed batches, checked against a
                                                  1-process model on the global batch: OUT/step.json
+
+`fit-fsdp2` and `step-fsdp2` do the same under FSDP2 (`fit-fsdp2-bf16`: with FSDP2's bf16
+MixedPrecisionPolicy): accelerate turns an FSDP config into plain
+data parallelism when the Accelerator is made with cpu=True (FSDP needs a GPU type in its state),
+so these modes switch the state to FSDP with the plugin of configs/accelerate/fsdp2.yaml right
+after the trainer makes its Accelerator. The trainer's FSDP2 path then runs on CPU over gloo:
+apply_parallelism, accelerate's _prepare_fsdp2, and save_state / load_state through
+torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +39,41 @@ MODEL = ["model.dim=32", "model.num_layers=3", "model.num_heads=4", "model.num_k
          "model.vocab_size=512", "model.patch_token_id=511"]
 
 
+def as_full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def fsdp2_on_cpu(mixed_precision: str | None = None) -> None:
+    """Make the trainer's Accelerator an FSDP2 one (see the module docstring); `mixed_precision`
+    "bf16" sets the plugin's MixedPrecisionPolicy as `mixed_precision: bf16` does on GPUs."""
+    import yaml
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    import omniloom.pretrain.train as train
+    from omniloom.pretrain.config import presets_dir
+
+    conf = yaml.safe_load((presets_dir() / "accelerate" / "fsdp2.yaml").read_text())["fsdp_config"]
+    make = train.make_accelerator
+
+    def make_fsdp2(cfg):
+        acc = make(cfg)
+        acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=conf["fsdp_version"], state_dict_type=conf["fsdp_state_dict_type"],
+            reshard_after_forward=conf["fsdp_reshard_after_forward"], auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=[conf["fsdp_transformer_layer_cls_to_wrap"]])
+        # both shared states: a later AcceleratorState() copies PartialState's over its own
+        acc.state.distributed_type = PartialState().distributed_type = DistributedType.FSDP
+        assert acc.is_fsdp2
+        if mixed_precision:
+            acc.state.fsdp_plugin.set_mixed_precision(mixed_precision)
+        return acc
+
+    train.make_accelerator = make_fsdp2
+
+
 def build_model(cfg):
     from omniloom.model import OmniModel
 
@@ -53,11 +96,11 @@ def fit(out: str, overrides: list[str]) -> None:
     model = trainer.acc.unwrap_model(trainer.model)
     full = trainer.ep.full_state_dict() if trainer.ep is not None else torch.no_grad()
     with full:
-        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        state = {k: as_full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save(state, os.path.join(out, "full_params.pt"))
     with open(os.path.join(out, f"result_rank{rank}.json"), "w") as fh:
-        json.dump({"world_size": trainer.acc.num_processes, "step": result.step,
+        json.dump({"world_size": trainer.acc.num_processes, "step": result.step, "fsdp2": trainer.acc.is_fsdp2,
                    "ep": trainer.ep.size if trainer.ep is not None else 1,
                    "expert_numel": trainer.ep.expert_numel() if trainer.ep is not None else None}, fh)
 
@@ -94,24 +137,24 @@ def step(out: str, overrides: list[str]) -> None:
     for name, p in model.named_parameters():
         want = ref_grads[name]
         if want is None:  # (the patch projections when a batch has no patches)
-            assert p.grad is None or not p.grad.any(), name
+            assert p.grad is None or not as_full(p.grad).any(), name
             continue
         if trainer.ep is not None and name in trainer.ep.expert_params:
             want = want[lo:hi]
         want = want * scale
-        err = max(err, float((p.grad - want).abs().max() / want.abs().max().clamp(min=1e-12)))
+        err = max(err, float((as_full(p.grad) - want).abs().max() / want.abs().max().clamp(min=1e-12)))
     err_t = torch.tensor([err])
     dist.all_reduce(err_t, op=dist.ReduceOp.MAX)
     if rank == 0:
         with open(os.path.join(out, "step.json"), "w") as fh:
-            json.dump({"err": float(err_t), "loss": stats["loss"], "want": float(out_ref.loss.detach()),
+            json.dump({"err": float(err_t), "fsdp2": trainer.acc.is_fsdp2, "loss": stats["loss"], "want": float(out_ref.loss.detach()),
                        "grad_norm": stats["grad_norm"], "want_norm": float(ref_norm), "clip_scale": scale}, fh)
 
 
 def _full_state(trainer, model):
     full = trainer.ep.full_state_dict() if trainer.ep is not None else torch.no_grad()
     with full:
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        return {k: as_full(v).detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 if __name__ == "__main__":
@@ -119,6 +162,9 @@ if __name__ == "__main__":
 
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     mode, out, *overrides = sys.argv[1:]
+    if "-fsdp2" in mode:  # fit-fsdp2, step-fsdp2, fit-fsdp2-bf16
+        mode, _, mp = mode.partition("-fsdp2")
+        fsdp2_on_cpu(mp.lstrip("-") or None)
     {"fit": fit, "step": step}[mode](out, overrides)
     from omniloom.pretrain.train import close_process_group
 

@@ -279,6 +279,76 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("nproc,extra", [(2, ["model.moe.expert_parallel=2"]), (4, ["model.moe.expert_parallel=2"]),
+                                         (2, [])])
+def test_trainer_step_under_fsdp2_equals_one_process_model(tmp_path, nproc, extra):
+    """Trainer._train_step under FSDP2 (accelerate's FSDP2 state, on CPU: see ep_train_worker.py):
+    with expert parallelism (the trainer shards, leaving the expert shards out), EP 2 x DP 2, and
+    accelerate's own FSDP2 wrapping without EP. Loss, every gradient and the norm equal a
+    1-process model's on the global batch."""
+    _accelerate("step-fsdp2", tmp_path, "optim.grad_clip=0.5", *extra, nproc=nproc)
+    res = json.loads((tmp_path / "step.json").read_text())
+    assert res["fsdp2"] and res["clip_scale"] < 1, res
+    assert res["err"] < 1e-5, res
+    assert abs(res["loss"] - res["want"]) <= 1e-5 * res["want"], res
+    assert abs(res["grad_norm"] - res["want_norm"]) <= 1e-5 * res["want_norm"], res
+
+
+@pytest.mark.slow
+def test_fsdp2_ep_training_matches_data_parallel_resumes_with_ep1_and_exports(tmp_path):
+    """The trainer under FSDP2 with EP 2: 20 steps like plain DDP without EP, its sharded (DCP)
+    checkpoint of step 10 resumed under FSDP2 without EP, and exported: the full model."""
+    from safetensors.torch import load_file
+
+    from omniloom.pretrain.export import export_checkpoint
+    from omniloom.tokenizers.testing import make_tiny_tokenizer
+
+    common = ["train.num_steps=20", "checkpoint.every=10", "checkpoint.keep_last=5"]
+    fsdp_run, dp_run, resumed = tmp_path / "fsdp_ep2", tmp_path / "dp", tmp_path / "resumed"
+    for d in (fsdp_run, dp_run, resumed):
+        d.mkdir()
+    log = _accelerate("fit-fsdp2", fsdp_run, *common, "model.moe.expert_parallel=2")
+    assert "FSDP2 over 2 ranks on 3 Block blocks and the root; the expert shards stay out" in log, log[-3000:]
+    _accelerate("fit", dp_run, *common)
+    info = json.loads((fsdp_run / "result_rank0.json").read_text())
+    assert info["fsdp2"] and info["ep"] == 2 and info["world_size"] == 2
+    assert (fsdp_run / "checkpoints" / "step_00000010" / "accelerate" / "pytorch_model_fsdp_0").is_dir()
+    ep_losses, dp_losses = _losses(fsdp_run), _losses(dp_run)
+    assert sorted(ep_losses) == list(range(1, 21)) and ep_losses[20] < ep_losses[1]
+    for s in ep_losses:
+        assert ep_losses[s] == pytest.approx(dp_losses[s], rel=1e-4), s
+
+    _accelerate("fit-fsdp2", resumed, *common, f"checkpoint.resume={fsdp_run / 'checkpoints' / 'step_00000010'}")
+    got = _losses(resumed)
+    assert sorted(got) == list(range(11, 21))
+    for s in got:
+        assert got[s] == pytest.approx(ep_losses[s], rel=1e-4), s
+
+    tok = tmp_path / "tok"
+    make_tiny_tokenizer(tok, vocab_size=512)
+    export_checkpoint(fsdp_run, tmp_path / "export_fsdp", tokenizer=tok)
+    export_checkpoint(dp_run, tmp_path / "export_dp", tokenizer=tok)
+    a = load_file(tmp_path / "export_fsdp" / "model.safetensors")
+    b = load_file(tmp_path / "export_dp" / "model.safetensors")
+    full = torch.load(fsdp_run / "full_params.pt", weights_only=True)
+    assert a.keys() == b.keys() == full.keys()
+    for k in a:
+        assert torch.equal(a[k], full[k]), k
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp2_ep_trains_under_bf16_mixed_precision(tmp_path):
+    """FSDP2's bf16 MixedPrecisionPolicy (what mixed_precision: bf16 gives on GPUs) casts the
+    sharded parameters; the expert shards, outside FSDP, stay fp32 and the MoE casts them to the
+    activations' dtype. Six steps and a checkpoint run, the loss falls."""
+    _accelerate("fit-fsdp2-bf16", tmp_path, "model.moe.expert_parallel=2", "train.num_steps=6", "checkpoint.every=3")
+    losses = _losses(tmp_path)
+    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1], losses
+    assert (tmp_path / "checkpoints" / "step_00000006" / "accelerate" / "pytorch_model_fsdp_0").is_dir()
+
+
+@pytest.mark.slow
 def test_bench_ep_prints_tokens_per_process_with_and_without_ep():
     cmd = [sys.executable, "-m", "omniloom.pretrain.bench_ep", "--worlds", "2", "--global-batch", "2", "--steps", "1",
            "--warmup", "1", "data.seq_len=64"]

@@ -435,11 +435,12 @@ def test_shipped_accelerate_configs_load_and_fsdp2_wraps_the_model_blocks():
 
     paths = sorted((presets_dir() / "accelerate").glob("*.yaml"))
     names = {p.stem for p in paths}
-    assert {"cpu_2proc", "single_gpu", "multi_gpu", "fsdp2", "multi_node"} <= names
+    assert {"cpu_2proc", "single_gpu", "multi_gpu", "fsdp2", "multi_node", "ep_8gpu", "ep_fsdp2_8gpu"} <= names
     loaded = {p.stem: load_config_from_file(str(p)) for p in paths}
     assert loaded["cpu_2proc"].num_processes == 2 and loaded["cpu_2proc"].use_cpu
     fsdp = loaded["fsdp2"].fsdp_config
     assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"
+    assert loaded["ep_fsdp2_8gpu"].fsdp_config == fsdp  # the same FSDP2 settings, the trainer adds EP
     cfg = load_config("tiny", SMALL_MODEL + ["model.vocab_size=256", "model.patch_token_id=8"]).model
     assert block_class_names(OmniModel(cfg)) == [fsdp["fsdp_transformer_layer_cls_to_wrap"]]
 
