@@ -76,9 +76,11 @@ def _trace(run_dir: Path) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("new_procs", [1, 4])
+@pytest.mark.parametrize("new_procs,ep_before,ep_after", [(1, 1, 1), (4, 1, 1), (4, 2, 4)])
 def test_killed_2x2_run_resumed_on_another_layout_trains_each_document_once(text_shards_and_tokenizer, tmp_path,
-                                                                              new_procs):
+                                                                              new_procs, ep_before, ep_after):
+    """(4, 2, 4): the killed run has expert parallelism 2 over its 2 processes, the resumed one 4
+    over 4: the checkpoint's full experts are resliced while the data state is redistributed."""
     from omniloom.data.config import SourceConfig
     from omniloom.data.reader import resolve_source
 
@@ -91,7 +93,8 @@ def test_killed_2x2_run_resumed_on_another_layout_trains_each_document_once(text
         path = run / "metrics.jsonl"
         return [r["step"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
 
-    proc = subprocess.Popen(_launch(2, _args(run, root, 2)), env=env, start_new_session=True,
+    proc = subprocess.Popen(_launch(2, _args(run, root, 2, f"model.moe.expert_parallel={ep_before}")), env=env,
+                            start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 240
@@ -110,9 +113,12 @@ def test_killed_2x2_run_resumed_on_another_layout_trains_each_document_once(text
     assert 2 <= saved <= killed_at < 48, (saved, killed_at)
     before = _trace(run)
     assert sorted(before) == ["rank00000.jsonl", "rank00001.jsonl"]
-    done = subprocess.run(_launch(new_procs, _args(run, root, 1, "checkpoint.resume=auto")), env=env,
-                          capture_output=True, text=True, timeout=400)
+    done = subprocess.run(_launch(new_procs, _args(run, root, 1, "checkpoint.resume=auto",
+                                                   f"model.moe.expert_parallel={ep_after}")),
+                          env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
+    if ep_after > 1:
+        assert f"expert parallel {ep_after} x 1 replicas" in done.stderr, done.stderr[-3000:]
     assert f"2 rank(s) x 2 worker(s) -> {new_procs} rank(s) x 1 worker(s)" in done.stderr, done.stderr[-3000:]
     after = _trace(run)
     pieces, resumed = [], []
