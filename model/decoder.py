@@ -65,7 +65,7 @@ class ModelOutput:
 class Block(nn.Module):
     """Pre-norm transformer block: attention of one kind, then a dense or MoE feed-forward."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, kind: str, ops):
+    def __init__(self, cfg: ModelConfig, layer: int, kind: str, ops, expert_range: tuple[int, int] | None = None):
         super().__init__()
         self.ops, self.eps = ops, cfg.norm_eps
         self.attn_norm = nn.Parameter(torch.ones(cfg.dim))
@@ -77,7 +77,7 @@ class Block(nn.Module):
         )
         self.ffn_norm = nn.Parameter(torch.ones(cfg.dim))
         self.is_moe = cfg.is_moe_layer(layer)
-        self.ffn = MoE(cfg, ops) if self.is_moe else SwiGLUMLP(cfg.dim, cfg.moe.dense_dim, ops)
+        self.ffn = MoE(cfg, ops, expert_range) if self.is_moe else SwiGLUMLP(cfg.dim, cfg.moe.dense_dim, ops)
 
     def forward(self, x_BSD, cos_BSd, sin_BSd, ctx: AttnContext, modality_BS, real_BS=None):
         x_BSD = x_BSD + self.attn(self.ops.rms_norm(x_BSD, self.attn_norm, self.eps), cos_BSd, sin_BSd, ctx)
@@ -91,7 +91,10 @@ class Block(nn.Module):
 class OmniModel(nn.Module):
     """The sparse-attention MoE decoder. Takes PackedBatch fields as plain tensors."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, expert_range: tuple[int, int] | None = None):
+        """`expert_range` [lo, hi): every MoE layer holds only those routed experts, with the
+        values the full model would give them for the same seed (expert parallelism builds a
+        rank's shard so, never the whole model: pretrain/expert_parallel.py)."""
         super().__init__()
         cfg.validate()
         check_backend(cfg.attention.backend)
@@ -101,7 +104,8 @@ class OmniModel(nn.Module):
             vocab_size=cfg.vocab_size, dim=cfg.dim, patch_dim=cfg.patch_dim,
             tubelet_dim=cfg.tubelet_dim, patch_token_id=cfg.patch_token_id,
         )
-        self.layers = nn.ModuleList(Block(cfg, i, kind, self.ops) for i, kind in enumerate(cfg.layer_kinds()))
+        self.layers = nn.ModuleList(Block(cfg, i, kind, self.ops, expert_range)
+                                    for i, kind in enumerate(cfg.layer_kinds()))
         self.norm = nn.Parameter(torch.ones(cfg.dim))
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # B layers attend densely (as G) during model.attention.dense_warmup_steps: see set_step
@@ -122,7 +126,16 @@ class OmniModel(nn.Module):
         # starts from the same language-model weights as one with selector=pooled
         params = sorted(self.named_parameters(), key=lambda item: is_indexer_param(item[0]))
         for name, p in params:
-            if p.dim() == 1:
+            owner, _, leaf = name.rpartition(".")
+            shard = getattr(self.get_submodule(owner), "expert_range", None) if leaf in ("w_gate", "w_up", "w_down") else None
+            if shard is not None and p.shape[0] != self.cfg.moe.num_experts:
+                # this rank's experts only: draw the full tensor (the same random stream as the
+                # whole model), keep the slice; one full tensor at a time
+                full = torch.empty((self.cfg.moe.num_experts, *p.shape[1:]), dtype=p.dtype, device=p.device)
+                nn.init.normal_(full, std=out_std if leaf == "w_down" else std)
+                p.copy_(full[shard[0]:shard[1]])
+                del full
+            elif p.dim() == 1:
                 p.fill_(1.0)  # RMSNorm and QK-norm weights
             elif name.endswith("wo.weight") or "w_down" in name:
                 nn.init.normal_(p, std=out_std)

@@ -73,19 +73,26 @@ class MoE(nn.Module):
     """Routed experts + shared experts for one layer. forward(x_BSD, modality_BS) -> (y_BSD, stats)
     where stats holds counts_ME (tokens per modality and expert), aux_loss and router_z_loss."""
 
-    def __init__(self, cfg: ModelConfig, ops):
+    def __init__(self, cfg: ModelConfig, ops, expert_range: tuple[int, int] | None = None):
         super().__init__()
         moe, D = cfg.moe, cfg.dim
         self.ops, self.cfg = ops, moe
         E, Fdim = moe.num_experts, moe.expert_dim
         self.num_experts, self.top_k = E, moe.num_experts_per_token
+        # `expert_range` [lo, hi): hold only those experts' weights (expert parallelism builds
+        # each rank's shard directly; OmniModel.reset_parameters fills them as the full model's)
+        lo, hi = expert_range if expert_range is not None else (0, E)
+        if not 0 <= lo < hi <= E:
+            raise ValueError(f"expert_range {expert_range} is not within the {E} experts")
+        if expert_range is not None:
+            self.expert_range = (lo, hi)
         self.router = nn.Parameter(torch.empty(E, D))
         # balancing bias: changes which experts are chosen, never the gate weights; fp32 buffer,
         # saved in checkpoints, moved by update_bias outside autograd
         self.register_buffer("router_bias", torch.zeros(E, dtype=torch.float32))
-        self.w_gate = nn.Parameter(torch.empty(E, D, Fdim))
-        self.w_up = nn.Parameter(torch.empty(E, D, Fdim))
-        self.w_down = nn.Parameter(torch.empty(E, Fdim, D))
+        self.w_gate = nn.Parameter(torch.empty(hi - lo, D, Fdim))
+        self.w_up = nn.Parameter(torch.empty(hi - lo, D, Fdim))
+        self.w_down = nn.Parameter(torch.empty(hi - lo, Fdim, D))
         self.shared = SwiGLUMLP(D, Fdim * moe.num_shared_experts, ops) if moe.num_shared_experts else None
         n_text = cfg.num_text_experts()
         allowed_ME = torch.ones(NUM_MODALITIES, E, dtype=torch.bool)

@@ -2,6 +2,11 @@
 global batch, and the share of the step spent in the expert exchange (issue 16).
 
     python -m omniloom.pretrain.bench_ep [--preset tiny] [--worlds 2 4] [--global-batch 8] [--steps 5]
+    python -m omniloom.pretrain.bench_ep --build-memory --preset large_1b --worlds 8
+
+`--build-memory` instead measures what building the model costs one rank (peak resident memory
+and seconds, a fresh process each): the whole model, against only the experts rank 0 holds under
+model.moe.expert_parallel=W (what the trainer builds).
 
 For every world size W it launches W processes (torchrun, gloo on CPU / NCCL on GPUs) twice: data
 parallel only, and with model.moe.expert_parallel=W; each rank gets global-batch / W rows of
@@ -62,6 +67,50 @@ def _worker(args) -> None:
     close_process_group()
 
 
+def _build_probe(args) -> None:
+    """One build in this fresh process: BUILD_MEM {json} with the peak RSS growth."""
+    import resource
+
+    from omniloom.model import OmniModel
+    from omniloom.pretrain.config import load_config
+    from omniloom.pretrain.expert_parallel import shard_range
+
+    from . import bench
+
+    cfg = load_config(args.preset, [f"model.vocab_size={bench._SYNTHETIC_VOCAB}",
+                                    f"model.patch_token_id={bench._SYNTHETIC_PATCH_ID}", *args.overrides]).model
+    if cfg.attention.backend == "flex" and not torch.cuda.is_available():
+        cfg.attention.backend = "sdpa"  # the same parameters; flex refuses to build without CUDA
+    held = shard_range(cfg.moe.num_experts, args.ep, 0) if args.ep > 1 else None
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model = OmniModel(cfg, expert_range=held)
+    seconds = time.perf_counter() - t0
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+    params = sum(p.numel() for p in model.parameters())
+    print("BUILD_MEM " + json.dumps({"ep": args.ep, "peak_bytes": peak, "seconds": seconds, "params": params,
+                                     "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
+
+
+def _build_memory(args) -> int:
+    rows = {}
+    for ep in [1] + [w for w in args.worlds if w > 1]:
+        cmd = [sys.executable, "-m", "omniloom.pretrain.bench_ep", "--build-probe", "--ep", str(ep),
+               "--preset", args.preset, *args.overrides]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BUILD_MEM ")), None)
+        if proc.returncode != 0 or line is None:
+            print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
+            raise SystemExit(f"bench_ep --build-memory: expert_parallel {ep} failed (exit {proc.returncode})")
+        r = rows[ep] = json.loads(line[len("BUILD_MEM "):])
+        what = "whole model" if ep == 1 else f"rank 0 of expert_parallel {ep}"
+        ratio = "" if ep == 1 else f"  ({r['peak_bytes'] / rows[1]['peak_bytes']:.2f}x the whole model's peak)"
+        print(f"{args.preset}, {what}: {r['params'] / 1e6:,.0f}M parameters ({r['param_bytes'] / 2**30:.2f} GiB), "
+              f"peak RSS +{r['peak_bytes'] / 2**30:.2f} GiB, built in {r['seconds']:.1f}s{ratio}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m omniloom.pretrain.bench_ep", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny")
@@ -69,13 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--build-memory", action="store_true",
+                   help="measure the peak memory and time of building the model, whole and as rank 0's expert shard")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--build-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.seq_len=256")
     args = p.parse_args(argv)
     if args.worker:
         _worker(args)
         return 0
+    if args.build_probe:
+        _build_probe(args)
+        return 0
+    if args.build_memory:
+        return _build_memory(args)
     rows = []
     for world in args.worlds:
         if args.global_batch % world:

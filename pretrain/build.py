@@ -71,11 +71,12 @@ def resolve_model_config(cfg) -> Any:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **updates))
 
 
-def build_model(cfg) -> torch.nn.Module:
-    """The real model, on CPU in fp32 (the trainer moves and wraps it)."""
+def build_model(cfg, expert_range: tuple[int, int] | None = None) -> torch.nn.Module:
+    """The real model, on CPU in fp32 (the trainer moves and wraps it); with `expert_range`,
+    only those routed experts of every MoE layer (a rank's expert-parallel shard)."""
     from omniloom.model import OmniModel
 
-    return OmniModel(cfg.model)
+    return OmniModel(cfg.model, expert_range=expert_range)
 
 
 def build_loader(cfg, split: str, rank: int, world_size: int) -> Loader | None:

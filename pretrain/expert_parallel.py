@@ -327,12 +327,19 @@ class ExpertParallel:
                 f"({n * self.size:,} unsharded, 1/{self.size})")
 
 
+def shard_range(num_experts: int, ep_size: int, rank: int) -> tuple[int, int]:
+    """[first, last) expert that global rank `rank` holds (see the module docstring)."""
+    per = num_experts // ep_size
+    return (rank % ep_size) * per, (rank % ep_size + 1) * per
+
+
 def parallelize_experts(model: nn.Module, ep_size: int, *, rank: int | None = None,
                         world_size: int | None = None) -> ExpertParallel | None:
     """Shard the routed experts of every MoE layer of a built model over expert groups of
     `ep_size` ranks and attach the dispatcher. Collective (creates process groups): every rank
-    calls it, after building the same model (same seed) and before wrapping it in DDP. Returns
-    None for ep_size 1 (nothing changes)."""
+    calls it, after building the same model (same seed) and before wrapping it in DDP. A model
+    built with this rank's experts only (`OmniModel(cfg, expert_range=shard_range(...))`) keeps
+    them; a full one is sliced. Returns None for ep_size 1 (nothing changes)."""
     if ep_size == 1:
         return None
     if not dist.is_available() or not dist.is_initialized():
@@ -343,7 +350,7 @@ def parallelize_experts(model: nn.Module, ep_size: int, *, rank: int | None = No
     moe_modules = [(name, m) for name, m in model.named_modules() if is_moe_module(m)]
     if not moe_modules:
         raise ValueError("model.moe.expert_parallel > 1 but the model has no MoE layers")
-    num_experts = moe_modules[0][1].w_gate.shape[0]
+    num_experts = getattr(moe_modules[0][1], "num_experts", moe_modules[0][1].w_gate.shape[0])
     check_expert_parallel(ep_size, world_size, num_experts)
     groups, replicas = expert_group_ranks(world_size, ep_size)
     # every rank creates every group, in the same order (new_group is collective)
@@ -356,15 +363,22 @@ def parallelize_experts(model: nn.Module, ep_size: int, *, rank: int | None = No
         g = dist.new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             my_replica = g
-    ep_rank, El = rank % ep_size, num_experts // ep_size
-    lo, hi = ep_rank * El, (ep_rank + 1) * El
+    lo, hi = shard_range(num_experts, ep_size, rank)
     expert_params: dict[str, nn.Parameter] = {}
     for prefix, moe in moe_modules:
-        if moe.w_gate.shape[0] != num_experts:
-            raise ValueError(f"{prefix} has {moe.w_gate.shape[0]} experts, the first MoE layer {num_experts}")
+        if getattr(moe, "num_experts", moe.w_gate.shape[0]) != num_experts:
+            raise ValueError(f"{prefix} has {moe.num_experts} experts, the first MoE layer {num_experts}")
+        # built with this rank's experts only (OmniModel(cfg, expert_range=...)): keep them
+        prebuilt = getattr(moe, "expert_range", None) is not None and moe.w_gate.shape[0] != num_experts
+        if prebuilt and tuple(moe.expert_range) != (lo, hi):
+            raise ValueError(f"{prefix} was built with experts {moe.expert_range}, but rank {rank} of expert "
+                             f"parallelism {ep_size} holds [{lo}, {hi})")
         for n in EXPERT_PARAM_NAMES:
-            shard = nn.Parameter(getattr(moe, n).detach()[lo:hi].clone(), requires_grad=getattr(moe, n).requires_grad)
-            setattr(moe, n, shard)
+            if prebuilt:
+                shard = getattr(moe, n)
+            else:
+                shard = nn.Parameter(getattr(moe, n).detach()[lo:hi].clone(), requires_grad=getattr(moe, n).requires_grad)
+                setattr(moe, n, shard)
             expert_params[f"{prefix}.{n}" if prefix else n] = shard
         moe.expert_range = (lo, hi)  # for checkpoint and export code that reads the module
     plan = ExpertParallel(ep_size=ep_size, rank=rank, world_size=world_size, num_experts=num_experts,

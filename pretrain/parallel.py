@@ -72,19 +72,27 @@ def apply_compile(model: torch.nn.Module) -> int:
     return len(blocks)
 
 
+def check_launch(accelerator, expert_parallel: int, num_experts: int) -> None:
+    """ValueError saying what to change when `model.moe.expert_parallel` cannot run on this launch."""
+    from .expert_parallel import check_expert_parallel
+
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    check_expert_parallel(expert_parallel, accelerator.num_processes, num_experts,
+                          distributed_type=str(getattr(accelerator, "distributed_type", "")),
+                          fsdp_version=getattr(plugin, "fsdp_version", None))
+
+
 def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator, *, expert_parallel: int = 1) -> torch.nn.Module:
     """Shard the routed experts over expert groups (`expert_parallel` > 1, collective), apply
     activation checkpointing and compile per `train_cfg`, then hand the model to the caller, who
     passes it to `accelerator.prepare` (DDP or FSDP2 from the accelerate config). The expert plan,
     when there is one, is `expert_parallel.find_plan(model)`."""
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
     if expert_parallel > 1:
-        from .expert_parallel import check_expert_parallel, parallelize_experts
+        from .expert_parallel import parallelize_experts
 
         num_experts = getattr(getattr(getattr(model, "cfg", None), "moe", None), "num_experts", expert_parallel)
-        plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
-        check_expert_parallel(expert_parallel, accelerator.num_processes, num_experts,
-                              distributed_type=str(getattr(accelerator, "distributed_type", "")),
-                              fsdp_version=getattr(plugin, "fsdp_version", None))
+        check_launch(accelerator, expert_parallel, num_experts)
         plan = parallelize_experts(model, expert_parallel)
         log.info("%s", plan.describe())
     else:

@@ -16,6 +16,7 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -37,8 +38,8 @@ from .config_io import to_dict
 from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector
 from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
 from .optim import build_optimizer, build_scheduler
-from .expert_parallel import find_plan
-from .parallel import apply_parallelism, seed_everything, set_deterministic
+from .expert_parallel import find_plan, shard_range
+from .parallel import apply_parallelism, check_launch, seed_everything, set_deterministic
 from .threads import configure_threads
 
 log = logging.getLogger("omniloom.train")
@@ -121,7 +122,15 @@ class Trainer:
         self.device = self.acc.device
         # Same seed on every rank: identical initial weights without relying on a broadcast.
         seed_everything(cfg.train.seed)
-        model = build_model(cfg)
+        ep = cfg.model.moe.expert_parallel
+        if ep > 1 and "expert_range" in inspect.signature(build_model).parameters:
+            # only this rank's experts, never the whole model (the same values for the same seed)
+            check_launch(self.acc, ep, cfg.model.moe.num_experts)
+            held = shard_range(cfg.model.moe.num_experts, ep, self.acc.process_index)
+            model = build_model(cfg, expert_range=held)
+            log.info("built only experts [%d, %d) of %d per MoE layer on this rank", *held, cfg.model.moe.num_experts)
+        else:
+            model = build_model(cfg)
         self.flops_per_token = B.model_flops_per_token(model, cfg.data.seq_len)
         kinds = model.cfg.layer_kinds() if hasattr(getattr(model, "cfg", None), "layer_kinds") else []
         self.b_layers = [i for i, kind in enumerate(kinds) if kind == "B"]  # B-layer statistics are logged per layer

@@ -74,10 +74,11 @@ def fsdp2_on_cpu(mixed_precision: str | None = None) -> None:
     train.make_accelerator = make_fsdp2
 
 
-def build_model(cfg):
+def build_model(cfg, expert_range=None):
+    """The trainer builds only its rank's experts with expert parallelism (expert_range)."""
     from omniloom.model import OmniModel
 
-    return OmniModel(cfg.model)
+    return OmniModel(cfg.model, expert_range=expert_range)
 
 
 def make_trainer(out: str, overrides: list[str], num_workers: int = 0):

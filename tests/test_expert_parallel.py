@@ -70,6 +70,27 @@ def test_one_process_refuses_expert_parallel():
     assert parallelize_experts(nn.Linear(2, 2), 1) is None
 
 
+def test_a_model_built_with_an_expert_range_holds_the_full_models_slice():
+    """What a rank builds under expert parallelism (no full model first): every weight equals the
+    full model's for the same seed, the experts their slice."""
+    from omniloom.pretrain.expert_parallel import shard_range
+
+    cfg = ModelConfig(dim=32, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=64, rope_sections=(2, 2, 4),
+                      patch_dim=12, tubelet_dim=24, moe=MoEConfig(num_experts=8, num_experts_per_token=2,
+                                                                  expert_dim=16, num_dense_layers=1, dense_dim=32))
+    torch.manual_seed(3)
+    full = OmniModel(cfg).state_dict()
+    assert shard_range(8, 4, 6) == (4, 6)  # rank 6 is rank 2 of its expert group of 4
+    torch.manual_seed(3)
+    part = OmniModel(cfg, expert_range=(4, 6))
+    assert part.layers[1].ffn.w_gate.shape[0] == 2 and part.layers[1].ffn.expert_range == (4, 6)
+    for k, v in part.state_dict().items():
+        want = full[k][4:6] if k.split(".")[-1] in ("w_gate", "w_up", "w_down") else full[k]
+        assert torch.equal(v, want), k
+    with pytest.raises(ValueError, match="not within the 8 experts"):
+        OmniModel(cfg, expert_range=(6, 10))
+
+
 def test_rank_layout_groups_consecutive_ranks_and_replicates_across_groups():
     groups, replicas = expert_group_ranks(8, 4)
     assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -222,7 +243,8 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
     for d in (ep_run, dp_run, resumed):
         d.mkdir()
     log = _accelerate("fit", ep_run, *common, "model.moe.expert_parallel=2")
-    # the start line gives this rank's share of the experts
+    # the rank built only its experts, and the start line gives its share of them
+    assert "built only experts [0, 2) of 4 per MoE layer on this rank" in log, log[-3000:]
     assert "expert parallel 2 x 1 replicas: this rank holds experts [0, 2) of 4 per MoE layer, 6,144 expert " \
            "parameters (12,288 unsharded, 1/2)" in log, log[-3000:]
     _accelerate("fit", dp_run, *common)
@@ -356,3 +378,12 @@ def test_bench_ep_prints_tokens_per_process_with_and_without_ep():
     lines = [ln for ln in out.splitlines() if ln.startswith("world 2")]
     assert len(lines) == 2 and "expert_parallel 1:" in lines[0] and "expert_parallel 2:" in lines[1], out[-2000:]
     assert all("tokens/s per process" in ln and "exchange" in ln for ln in lines)
+
+
+@pytest.mark.slow
+def test_bench_ep_build_memory_prints_whole_and_shard_builds():
+    out = run_torchrun([sys.executable, "-m", "omniloom.pretrain.bench_ep", "--build-memory", "--preset", "tiny",
+                        "--worlds", "2"])
+    lines = [ln for ln in out.splitlines() if ln.startswith("tiny, ")]
+    assert len(lines) == 2 and "whole model" in lines[0] and "rank 0 of expert_parallel 2" in lines[1], out[-2000:]
+    assert "peak RSS" in lines[1] and "x the whole model's peak" in lines[1]
