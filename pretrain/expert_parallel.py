@@ -23,7 +23,8 @@ FSDP2: the trainer shards everything else over all W ranks with `fully_shard`
 (pretrain/parallel.py: apply_fsdp2), passing the expert shards as ignored parameters, so they stay
 plain tensors synced as above while FSDP reduce-scatters (and averages) the rest; the clip then
 adds the DTensor shards' squared norms over the world. The expert shards are not sharded further
-over their replica group (torchtitan's dp_mod_ep mesh does that).
+over their replica group (torchtitan's dp_mod_ep mesh does that). Checkpoints: `full_state_dict`
+(gathered, for DDP's rank-0 files) or `sharded_state_dict` (DTensors, for FSDP2's DCP folders).
 """
 
 from __future__ import annotations
@@ -241,28 +242,64 @@ class ExpertParallel:
             torch._foreach_mul_(dense + sharded + expert, coef.to(ref.dtype))
         return total
 
-    # ---- checkpoints: full (unsharded) state dicts ----------------------------------------------
+    # ---- checkpoints: full (unsharded) or DTensor state dicts ----------------------------------
     @contextlib.contextmanager
     def full_state_dict(self):
         """Inside, `model.state_dict()` and the attached optimizer's `state_dict()` hold every
         expert (gathered over the expert group, one layer at a time, onto the CPU): collective,
         every rank must take them in the same order (accelerate's save_state does). Outside they
-        hold this rank's shard. Loading takes either: a full tensor is sliced to this rank's shard,
-        so a checkpoint resumes with any expert-parallel degree, and export reads it as is."""
-        self._gather = True
+        hold this rank's shard. Loading takes any of the three: a full tensor is sliced to this
+        rank's shard, so a checkpoint resumes with any expert-parallel degree, and export reads
+        it as is. For checkpoints written by one process (DDP: rank 0 saves)."""
+        with self._state_dict_mode("full"):
+            yield
+
+    @contextlib.contextmanager
+    def sharded_state_dict(self):
+        """Inside, the state dicts hold each expert tensor as a DTensor over the (replica, expert
+        group) device mesh, sharded along the experts: nothing is gathered. For
+        torch.distributed.checkpoint (FSDP2's sharded checkpoints): it writes every shard once
+        (from one replica) with the full shape in its metadata, and loads any layout back, so a
+        checkpoint resumes with another expert-parallel degree, and export consolidates it."""
+        with self._state_dict_mode("dtensor"):
+            yield
+
+    @contextlib.contextmanager
+    def _state_dict_mode(self, mode: str):
+        self._mode = mode
         try:
             yield
         finally:
-            self._gather = False
+            self._mode = None
 
-    _gather = False
+    _mode: str | None = None  # None: this rank's shard; "full": gathered; "dtensor": see sharded_state_dict
+    _mesh = None
 
     def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(shard) for _ in range(self.size)]
         dist.all_gather(parts, shard.contiguous(), group=self.group)
         return torch.cat(parts).cpu()
 
+    def _as_dtensor(self, shard: torch.Tensor):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if self._mesh is None:  # rank g * N + e sits at [g, e]: row g is expert group g (consecutive ranks)
+            self._mesh = init_device_mesh(shard.device.type, (self.num_replicas, self.size),
+                                          mesh_dim_names=("expert_replica", "expert_shard"))
+        return DTensor.from_local(shard.detach(), self._mesh, [Replicate(), Shard(0)], run_check=False)
+
+    def _export(self, shard: torch.Tensor):
+        return self._gather_full(shard) if self._mode == "full" else self._as_dtensor(shard)
+
     def _to_shard(self, t: torch.Tensor, local_shape) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):  # from sharded_state_dict's template, filled for this layout
+            t = t.to_local()
+            if tuple(t.shape) != tuple(local_shape):
+                raise ValueError(f"an expert DTensor of local shape {tuple(t.shape)} for a shard of {tuple(local_shape)}")
+            return t
         lo, hi = self.expert_range
         if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] == self.num_experts and tuple(t.shape[1:]) == tuple(local_shape[1:]) \
                 and local_shape[0] == self.num_local and self.num_local != self.num_experts:
@@ -270,10 +307,10 @@ class ExpertParallel:
         return t
 
     def _module_state_dict_hook(self, module, state_dict, prefix, local_metadata):
-        if self._gather:
+        if self._mode is not None:
             for n in EXPERT_PARAM_NAMES:
                 if prefix + n in state_dict:
-                    state_dict[prefix + n] = self._gather_full(state_dict[prefix + n])
+                    state_dict[prefix + n] = self._export(state_dict[prefix + n])
 
     def _module_load_hook(self, module, state_dict, prefix, *args):
         for n in EXPERT_PARAM_NAMES:
@@ -293,12 +330,12 @@ class ExpertParallel:
         return out
 
     def _optimizer_state_dict_hook(self, optimizer, state_dict):
-        if not self._gather:
+        if self._mode is None:
             return None
         state = dict(state_dict["state"])
         for key, p in self._expert_keys(optimizer, state_dict).items():
             if key in state:  # copies: the packed state shares its per-parameter dicts with the live optimizer
-                state[key] = {k: self._gather_full(v) if torch.is_tensor(v) and v.shape == p.shape else v
+                state[key] = {k: self._export(v) if torch.is_tensor(v) and v.shape == p.shape else v
                               for k, v in state[key].items()}
         return {**state_dict, "state": state}
 

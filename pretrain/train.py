@@ -466,13 +466,19 @@ class Trainer:
         trainer_state = {"step": self.step, "tokens_seen": self.tokens_seen,
                          "scheduler": self.scheduler.state_dict(), "guard": self.guard.state_dict(),
                          "spikes": {k: d.state_dict() for k, d in self.spikes.items()}}
-        # with expert parallelism the checkpoint holds the full, unsharded model and optimizer
-        # (gathered, collective), so it resumes with any expert-parallel degree and exports as is
-        full = self.ep.full_state_dict() if self.ep is not None else contextlib.nullcontext()
-        with full:
+        with self._expert_state_dicts():
             path = self.ckpt.save(self.step, trainer_state=trainer_state, data_state=self._data_state if self._data_state is not None else self.train_loader.state_dict(),
                                   config_yaml=to_yaml(self.cfg))
         self.last_checkpoint = str(path)
+
+    def _expert_state_dicts(self):
+        """With expert parallelism, checkpoints hold every expert, so they resume with any
+        expert-parallel degree and export as they are: DDP (rank 0 writes) gathers them onto the
+        CPU one layer at a time; FSDP2 (torch.distributed.checkpoint, each rank writes its part)
+        hands them over as DTensors sharded along the experts, gathering nothing."""
+        if self.ep is None:
+            return contextlib.nullcontext()
+        return self.ep.sharded_state_dict() if self.ckpt.sharded() else self.ep.full_state_dict()
 
     def _load_data_states(self, states: list) -> None:
         """The data states of every saved rank: a loader that pools them (the stream: it resumes on
@@ -488,10 +494,9 @@ class Trainer:
                              f"world size; launch with --num_processes {len(states)}")
 
     def _restore(self, path: Path) -> list:
-        # FSDP2 loads through state_dict() templates: with expert parallelism they must have the
-        # full expert shapes the checkpoint holds (sliced back to this rank's shard on load)
-        full = self.ep.full_state_dict() if self.ep is not None and self.ckpt.sharded() else contextlib.nullcontext()
-        with full:
+        # FSDP2 loads through state_dict() templates: with expert parallelism they must describe
+        # the whole expert tensors (DTensors), whatever layout wrote the checkpoint
+        with self._expert_state_dicts() if self.ckpt.sharded() else contextlib.nullcontext():
             trainer_state, data_state = self.ckpt.load(path)
         self.step = int(trainer_state["step"])
         self.tokens_seen = int(trainer_state["tokens_seen"])

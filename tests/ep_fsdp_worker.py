@@ -9,7 +9,8 @@ batches. Run under torchrun (gloo, CPU):
 Steps 1-20 train; the first step's loss and every gradient are compared before the update, the
 losses of every step and all weights after step 20. At step 10 the model and optimizer are saved
 the way accelerate's FSDP2 SHARDED_STATE_DICT saves them (torch.distributed.checkpoint of
-get_model_state_dict / get_optimizer_state_dict, inside `ExpertParallel.full_state_dict`), then
+get_model_state_dict / get_optimizer_state_dict, inside `ExpertParallel.sharded_state_dict`:
+every expert shard a DTensor, nothing gathered), then
 loaded into a fresh model sharded with expert parallelism RESUME_EP (same world size), which
 trains steps 11-20 again. Rank 0 writes OUT/result.json and OUT/saved_full.pt (the full
 weights at the save, for the test to read the checkpoint folder against, as export does).
@@ -58,6 +59,8 @@ class NoExpertParallel:
 
     def full_state_dict(self):
         return contextlib.nullcontext()
+
+    sharded_state_dict = full_state_dict
 
     def attach_optimizer(self, opt):
         pass
@@ -138,19 +141,19 @@ def save(model, plan, opt, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    with plan.full_state_dict():  # what Trainer.save wraps around accelerator.save_state
+    with plan.sharded_state_dict():  # what Trainer.save wraps around accelerator.save_state under FSDP2
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=os.path.join(path, "pytorch_model_fsdp_0"))
         dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=os.path.join(path, "optimizer_0"))
 
 
 def load(model, plan, opt, path: str) -> None:
     """accelerate's load_fsdp_model / load_fsdp_optimizer (templates from the live objects, filled
-    by DCP, set back), inside full_state_dict as Trainer._restore does."""
+    by DCP, set back), inside sharded_state_dict as Trainer._restore does under FSDP2."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
-    with plan.full_state_dict():
+    with plan.sharded_state_dict():
         sd = {"model": get_model_state_dict(model)}
         dcp.load(sd, checkpoint_id=os.path.join(path, "pytorch_model_fsdp_0"))
         set_model_state_dict(model, sd["model"])

@@ -153,7 +153,13 @@ def _fsdp(tmp_path, nproc: int, ep: int, resume_ep: int) -> dict:
     # memory: the experts are 1/EP per rank, the rest 1/world
     assert res["expert_numel"] * ep == 2 * 3 * 8 * 32 * 16  # 2 MoE layers x 3 matrices x 8 experts x 32 x 16
     assert res["dense_sum"] == res["full_dense"] and res["dense_max"] <= res["full_dense"] / nproc * 1.2, res
-    # the checkpoint folder (accelerate's FSDP2 layout) holds every expert, as export reads it
+    # the checkpoint folder (accelerate's FSDP2 layout) holds every expert, written in EP shards
+    # by the ranks that hold them (nothing gathered), and export reads them whole
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(tmp_path / "ckpt" / "pytorch_model_fsdp_0")).read_metadata()
+    chunks = meta.state_dict_metadata["model.layers.1.ffn.w_gate"].chunks
+    assert sorted(c.offsets[0] for c in chunks) == [e * 8 // ep for e in range(ep)], chunks
     saved = torch.load(tmp_path / "saved_full.pt", weights_only=True)
     exported = read_dcp_state_dict(tmp_path / "ckpt" / "pytorch_model_fsdp_0")
     assert exported.keys() == saved.keys()
