@@ -19,12 +19,16 @@ its expert group routed to it. `ExpertParallel.sync_grads` sums it over the repl
 divides by W, which is exactly what DDP's averaging does to the data-parallel parameters (the
 trainer scales each rank's loss by W). `clip_grad_norm_` clips by the global norm.
 
-FSDP2: the trainer shards everything else over all W ranks with `fully_shard`
-(pretrain/parallel.py: apply_fsdp2), passing the expert shards as ignored parameters, so they stay
-plain tensors synced as above while FSDP reduce-scatters (and averages) the rest; the clip then
-adds the DTensor shards' squared norms over the world. The expert shards are not sharded further
-over their replica group (torchtitan's dp_mod_ep mesh does that). Checkpoints: `full_state_dict`
-(gathered, for DDP's rank-0 files) or `sharded_state_dict` (DTensors, for FSDP2's DCP folders).
+FSDP2 (pretrain/parallel.py: apply_fsdp2, then `ExpertParallel.apply_fsdp2`): everything else is
+sharded over all W ranks by `fully_shard`, each block a unit. With R = 1 the expert shards stay
+plain tensors outside FSDP, synced as above. With R > 1 each MoE layer's experts become an FSDP
+unit over their replica group (each rank keeps 1/R of its expert group's shard, 1/W of the
+experts; gradients reduce-scattered over the group and divided by W), its shared expert a unit
+over the world, and its router (E x D) stays out of FSDP, replicated and summed over the world by
+`sync_grads` (torchtitan's dp_mod_ep layout, but for the router). The clip adds the DTensor
+shards' squared norms over the world. Checkpoints: `full_state_dict` (gathered, for DDP's rank-0
+files) or `sharded_state_dict` (DTensors over the (expert shard, expert replica) mesh, for
+FSDP2's DCP folders).
 """
 
 from __future__ import annotations
@@ -137,6 +141,11 @@ class ExpertParallel:
         self.group, self.replica_group = group, replica_group
         self.num_replicas = world_size // ep_size
         self.expert_params = expert_params  # qualified name -> this rank's shard
+        self.moe_modules: list[tuple[str, nn.Module]] = []  # (qualified name, MoE layer), set by parallelize_experts
+        # FSDP2 with several replicas (apply_fsdp2): the expert shards sharded further over their
+        # replica group by fully_shard, the routers left out of FSDP and synced here
+        self.fsdp_experts = False
+        self.router_params: dict[str, nn.Parameter] = {}
 
     @property
     def expert_range(self) -> tuple[int, int]:
@@ -187,25 +196,73 @@ class ExpertParallel:
     def sync_grads(self) -> None:
         """Average the expert gradients as DDP averages the others: sum over the replica group
         (the ranks holding the same shard), divide by the world size. Call after the last
-        backward of a step, before clipping."""
-        grads = self.grads()
+        backward of a step, before clipping. Under FSDP2 with several replicas, FSDP has done
+        that for the expert shards (reduce-scatter over the replica group, divided by the world
+        size); the routers, outside FSDP, are summed over the world here."""
+        if self.fsdp_experts:
+            self._reduce([p.grad for p in self.router_params.values() if p.grad is not None], None)
+            return
+        self._reduce(self.grads(), self.replica_group if self.num_replicas > 1 else False)
+
+    def _reduce(self, grads: list[torch.Tensor], group) -> None:
+        """Sum `grads` over `group` (None: the world; False: nowhere), divide by the world size."""
         if not grads:
             return
-        if self.num_replicas > 1:
+        if group is not False:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.replica_group)
+            dist.all_reduce(flat, group=group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         torch._foreach_div_(grads, float(self.world_size))
 
+    # ---- FSDP2 ------------------------------------------------------------------------------
+    def expert_mesh(self, device_type: str):
+        """The (expert shard, expert replica) device mesh: rank g * N + e sits at [e, g], so
+        mesh["expert_replica"] is this rank's replica group and dimension 0 its expert group."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = torch.arange(self.world_size).view(self.num_replicas, self.size).t().contiguous()
+            self._mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("expert_shard", "expert_replica"))
+        return self._mesh
+
+    def apply_fsdp2(self, fully_shard_kwargs: dict) -> set[nn.Parameter]:
+        """Prepare the MoE layers for FSDP2 (called by pretrain.parallel.apply_fsdp2 before it
+        shards the blocks; collective). One replica: the expert shards stay plain, left out of
+        FSDP (returned, for the blocks to ignore). Several: each shared expert becomes an FSDP
+        unit over the world, then the experts of each MoE layer a unit sharded over their
+        replica group (gradients summed over it and divided by the world size, as sync_grads
+        does), the router left out of both and synced by sync_grads. Returns the parameters the
+        block and root units must ignore."""
+        from torch.distributed.fsdp import fully_shard
+
+        if self.num_replicas == 1:
+            return set(self.expert_params.values())
+        device_type = next(iter(self.expert_params.values())).device.type
+        replica_mesh = self.expert_mesh(device_type)["expert_replica"]
+        kwargs = {k: v for k, v in fully_shard_kwargs.items() if k not in ("mesh", "ignored_params")}
+        for prefix, moe in self.moe_modules:
+            if getattr(moe, "shared", None) is not None:
+                fully_shard(moe.shared, mesh=fully_shard_kwargs.get("mesh"), **kwargs)
+            fully_shard(moe, mesh=replica_mesh, ignored_params={moe.router}, **kwargs)
+            moe.set_gradient_divide_factor(float(self.world_size))
+            if dist.get_backend() == "gloo":  # no PREMUL_SUM there: sum, then divide
+                moe.set_force_sum_reduction_for_comms(True)
+            for n in EXPERT_PARAM_NAMES:  # fully_shard replaced them with DTensor parameters
+                self.expert_params[f"{prefix}.{n}" if prefix else n] = getattr(moe, n)
+            self.router_params[f"{prefix}.router" if prefix else "router"] = moe.router
+        self.fsdp_experts = True
+        return set(self.router_params.values())
+
+
     @torch.no_grad()
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip every gradient by the global L2 norm and return the norm before clipping, as
         torch.nn.utils.clip_grad_norm_ does. Data-parallel gradients are the same on every rank
         (DDP), or sharded over every rank (FSDP2: DTensor, its squared norm summed over the
-        world); expert shards add up over the expert group."""
+        world); plain expert shards add up over the expert group."""
         from torch.distributed.tensor import DTensor
 
         expert_ids = {id(p) for p in self.expert_params.values()}
@@ -214,13 +271,15 @@ class ExpertParallel:
             g = p.grad
             if g is None:
                 continue
-            if id(p) in expert_ids:
-                expert.append(g)
-            elif isinstance(g, DTensor):
+            if isinstance(g, DTensor):
+                # FSDP2 shards: over the world, or (experts) over the replica group of an expert
+                # group's shard; either way the world's local squares add up to the whole
                 if any(not pl.is_shard() for pl in g.placements):
                     raise ValueError(f"a gradient with placements {g.placements}: only FSDP2's Shard placements "
                                      f"are supported with expert parallelism")
                 sharded.append(g._local_tensor)
+            elif id(p) in expert_ids:
+                expert.append(g)
             else:
                 dense.append(g)
         ref = (dense or sharded or expert)[0]
@@ -280,31 +339,52 @@ class ExpertParallel:
         dist.all_gather(parts, shard.contiguous(), group=self.group)
         return torch.cat(parts).cpu()
 
-    def _as_dtensor(self, shard: torch.Tensor):
-        from torch.distributed.device_mesh import init_device_mesh
+    def _export(self, value: torch.Tensor):
+        """A rank's expert shard (plain, or a DTensor sharded over its replica group by FSDP2)
+        as the state-dict mode wants it: whole on the CPU, or a DTensor of the whole shape."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        if self._mesh is None:  # rank g * N + e sits at [g, e]: row g is expert group g (consecutive ranks)
-            self._mesh = init_device_mesh(shard.device.type, (self.num_replicas, self.size),
-                                          mesh_dim_names=("expert_replica", "expert_shard"))
-        return DTensor.from_local(shard.detach(), self._mesh, [Replicate(), Shard(0)], run_check=False)
+        fsdp = isinstance(value, DTensor)
+        if self._mode == "full":
+            return self._gather_full(value.full_tensor() if fsdp else value)
+        local = value.to_local() if fsdp else value.detach()
+        shape = (self.num_experts, *value.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        # along the experts over the expert group; then over the replicas: sharded by FSDP, or replicated
+        placements = [Shard(0), Shard(0) if fsdp else Replicate()]
+        return DTensor.from_local(local, self.expert_mesh(local.device.type), placements, run_check=False,
+                                  shape=shape, stride=stride)
 
-    def _export(self, shard: torch.Tensor):
-        return self._gather_full(shard) if self._mode == "full" else self._as_dtensor(shard)
-
-    def _to_shard(self, t: torch.Tensor, local_shape) -> torch.Tensor:
+    def _to_shard(self, t, param: torch.Tensor):
+        """What a state dict holds for an expert tensor (whole, this rank's shard, or a DTensor
+        from sharded_state_dict's template) -> what `param` (plain shard, or FSDP2's DTensor over
+        the replica group) loads."""
         from torch.distributed.tensor import DTensor
 
-        if isinstance(t, DTensor):  # from sharded_state_dict's template, filled for this layout
-            t = t.to_local()
-            if tuple(t.shape) != tuple(local_shape):
-                raise ValueError(f"an expert DTensor of local shape {tuple(t.shape)} for a shard of {tuple(local_shape)}")
+        if not torch.is_tensor(t) or t.dim() == 0:
             return t
-        lo, hi = self.expert_range
-        if torch.is_tensor(t) and t.dim() > 0 and t.shape[0] == self.num_experts and tuple(t.shape[1:]) == tuple(local_shape[1:]) \
-                and local_shape[0] == self.num_local and self.num_local != self.num_experts:
-            return t[lo:hi]
-        return t
+        fsdp = isinstance(param, DTensor)
+        if isinstance(t, DTensor):
+            if fsdp and t.device_mesh == param.device_mesh:
+                return t
+            local = t.to_local()  # sharded_state_dict's template, filled for this very layout
+            want = param.to_local().shape if fsdp else param.shape
+            if tuple(local.shape) != tuple(want):
+                raise ValueError(f"an expert DTensor of local shape {tuple(local.shape)} for a shard of {tuple(want)}")
+        else:
+            lo, hi = self.expert_range
+            if t.shape[0] == self.num_experts and self.num_local != self.num_experts \
+                    and tuple(t.shape[1:]) == tuple(param.shape[1:]):
+                t = t[lo:hi]  # the whole tensor: this rank's experts
+            if not fsdp:
+                return t
+            chunks = torch.chunk(t, self.num_replicas, dim=0)  # FSDP2's split over the replica group
+            g = self.rank // self.size
+            local = chunks[g] if g < len(chunks) else t[:0]
+        if not fsdp:
+            return local
+        return DTensor.from_local(local.to(param.device), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
 
     def _module_state_dict_hook(self, module, state_dict, prefix, local_metadata):
         if self._mode is not None:
@@ -315,7 +395,7 @@ class ExpertParallel:
     def _module_load_hook(self, module, state_dict, prefix, *args):
         for n in EXPERT_PARAM_NAMES:
             if prefix + n in state_dict:
-                state_dict[prefix + n] = self._to_shard(state_dict[prefix + n], getattr(module, n).shape)
+                state_dict[prefix + n] = self._to_shard(state_dict[prefix + n], getattr(module, n))
 
     def _expert_keys(self, optimizer, state_dict) -> dict:
         """State-dict key -> expert parameter: keys are the optimizer's own indices (torch numbers
@@ -343,7 +423,7 @@ class ExpertParallel:
         state = dict(state_dict["state"])
         for key, p in self._expert_keys(optimizer, state_dict).items():
             if key in state:
-                state[key] = {k: self._to_shard(v, p.shape) for k, v in state[key].items()}
+                state[key] = {k: self._to_shard(v, p) for k, v in state[key].items()}
         return {**state_dict, "state": state}
 
     def attach_optimizer(self, optimizer) -> None:
@@ -353,15 +433,19 @@ class ExpertParallel:
 
     # ---- accounting --------------------------------------------------------------------------
     def expert_numel(self) -> int:
-        """Expert parameters held by this rank."""
-        return sum(p.numel() for p in self.expert_params.values())
+        """Expert parameters held by this rank (its FSDP2 slice of them, when sharded further)."""
+        from torch.distributed.tensor import DTensor
+
+        return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in self.expert_params.values())
 
     def describe(self) -> str:
         lo, hi = self.expert_range
         n = self.expert_numel()
+        whole = sum(p.numel() for p in self.expert_params.values()) * self.size
+        share = f"1/{self.size}" if not self.fsdp_experts else \
+            f"1/{self.size} sharded over {self.num_replicas} replicas by FSDP2: {n / whole:.3g}"
         return (f"expert parallel {self.size} x {self.num_replicas} replicas: this rank holds experts [{lo}, {hi}) "
-                f"of {self.num_experts} per MoE layer, {n:,} expert parameters "
-                f"({n * self.size:,} unsharded, 1/{self.size})")
+                f"of {self.num_experts} per MoE layer, {n:,} expert parameters ({whole:,} unsharded, {share})")
 
 
 def shard_range(num_experts: int, ep_size: int, rank: int) -> tuple[int, int]:
@@ -420,6 +504,7 @@ def parallelize_experts(model: nn.Module, ep_size: int, *, rank: int | None = No
         moe.expert_range = (lo, hi)  # for checkpoint and export code that reads the module
     plan = ExpertParallel(ep_size=ep_size, rank=rank, world_size=world_size, num_experts=num_experts,
                           group=my_group, replica_group=my_replica, expert_params=expert_params)
+    plan.moe_modules = moe_modules
     # gloo subgroups left to the interpreter's teardown can abort the process at exit ("terminate
     # called without an active exception"): destroy them first
     atexit.register(plan.close)

@@ -34,6 +34,12 @@ def is_expert_param(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in EXPERT_PARAM_NAMES
 
 
+def _fsdp2_kind(name: str) -> int:
+    """0: sharded over the world by FSDP2; 1: a routed expert's weight; 2: an MoE router."""
+    leaf = name.rsplit(".", 1)[-1]
+    return 1 if leaf in EXPERT_PARAM_NAMES else 2 if leaf == "router" else 0
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float, *, separate_experts: bool | None = None) -> list[dict]:
     """Split trainable parameters into a decayed and a non-decayed AdamW group.
 
@@ -41,28 +47,29 @@ def param_groups(model: torch.nn.Module, weight_decay: float, *, separate_expert
     logs can check which parameter went where.
 
     `separate_experts` (the trainer sets it under FSDP2; by default: when the model already has
-    sharded DTensor parameters) puts the routed experts' weights in groups of their own: under
-    expert parallelism they stay plain tensors outside FSDP, and the for-each and fused AdamW
-    kernels take one kind per call. The split does not depend on the expert-parallel degree, so
-    an FSDP2 checkpoint's optimizer groups (which torch.distributed.checkpoint matches by
-    position) line up when resuming with another one."""
+    sharded DTensor parameters) puts the routed experts' weights, and the MoE routers, in groups
+    of their own: under expert parallelism they are plain tensors outside FSDP or DTensors over
+    another mesh than the rest, and the for-each and fused AdamW kernels take one kind per call.
+    The split does not depend on the expert-parallel degree, so an FSDP2 checkpoint's optimizer
+    groups (which torch.distributed.checkpoint matches by position) line up when resuming with
+    another one."""
     from torch.distributed.tensor import DTensor
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if separate_experts is None:
         separate_experts = any(isinstance(p, DTensor) for _, p in named)
-    buckets: dict[tuple[bool, bool], tuple[list, list]] = {}
+    buckets: dict[tuple[bool, int], tuple[list, list]] = {}
     seen: set[int] = set()
     for name, param in named:
         if id(param) in seen:
             continue
         seen.add(id(param))
-        key = (not is_no_decay(name, param), separate_experts and is_expert_param(name))
+        key = (not is_no_decay(name, param), _fsdp2_kind(name) if separate_experts else 0)
         params, names = buckets.setdefault(key, ([], []))
         params.append(param)
         names.append(name)
     groups = []
-    for key in ((True, False), (True, True), (False, False), (False, True)):  # decayed first, as before the split
+    for key in sorted(buckets, key=lambda k: (not k[0], k[1])):  # decayed first, as before the split
         if key in buckets:
             params, names = buckets[key]
             groups.append({"params": params, "weight_decay": weight_decay if key[0] else 0.0, "names": names})

@@ -108,34 +108,37 @@ def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator, *, expert_
         log.info("torch.compile on %d blocks", n)
     dist_type = str(getattr(accelerator, "distributed_type", ""))
     if "FSDP" in dist_type and plan is not None:
-        # accelerate's FSDP2 would shard the expert shards too: shard here, leaving them out
-        # (their replica group syncs them, ExpertParallel.sync_grads); accelerate.prepare then
-        # takes the FSDPModule as it is
+        # accelerate's FSDP2 would shard the expert shards over the world: shard here instead
+        # (ExpertParallel.apply_fsdp2); accelerate.prepare then takes the FSDPModule as it is
         model.to(accelerator.device)
         names = ", ".join(block_class_names(model))  # before fully_shard renames the class Block to FSDPBlock
         if plugin is not None:  # resolve accelerate's wrap policy by that name too
             plugin.set_auto_wrap_policy(model)
-        n = apply_fsdp2(model, ignored_params=plan.expert_params.values(), **_fsdp2_settings(accelerator))
-        log.info("FSDP2 over %d ranks on %d %s blocks and the root; the expert shards stay out%s",
-                 accelerator.num_processes, n, names,
-                 f" (replicated over their replica group of {plan.num_replicas})" if plan.num_replicas > 1 else "")
+        n = apply_fsdp2(model, expert_plan=plan, **_fsdp2_settings(accelerator))
+        log.info("FSDP2 over %d ranks on %d %s blocks and the root; %s", accelerator.num_processes, n, names,
+                 f"the expert shards sharded over their replica group of {plan.num_replicas} (routers replicated)"
+                 if plan.fsdp_experts else "the expert shards stay out")
     elif "FSDP" in dist_type:
         log.info("FSDP from the accelerate config will wrap %s", ", ".join(block_class_names(model)))
     return model
 
 
-def apply_fsdp2(model: torch.nn.Module, *, ignored_params=(), mp_policy=None, offload_policy=None,
+def apply_fsdp2(model: torch.nn.Module, *, expert_plan=None, ignored_params=(), mp_policy=None, offload_policy=None,
                 reshard_after_forward: bool = True, mesh=None) -> int:
     """FSDP2 (`fully_shard`) on each transformer block, then on the root (embeddings, norms, the
     output head): every parameter becomes a DTensor sharded over `mesh` (all ranks by default),
-    except `ignored_params`, which stay plain tensors that FSDP neither gathers nor reduces (the
-    expert shards of expert parallelism, whose owner syncs them). Collective; call after
-    activation checkpointing and compile, with the model on its device. Returns the block count."""
+    except `ignored_params`, which stay plain tensors that FSDP neither gathers nor reduces.
+    With an expert-parallel plan, its MoE layers are prepared first (ExpertParallel.apply_fsdp2:
+    with one replica the expert shards stay out of FSDP; with several they are sharded over
+    their replica group). Collective; call after activation checkpointing and compile, with the
+    model on its device. Returns the block count."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload_policy or OffloadPolicy(),
               "reshard_after_forward": reshard_after_forward, "mesh": mesh}
     ignored = set(ignored_params)
+    if expert_plan is not None:
+        ignored |= expert_plan.apply_fsdp2(kwargs)
     if ignored:
         kwargs["ignored_params"] = ignored
     blocks = transformer_blocks(model)

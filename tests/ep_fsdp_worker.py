@@ -77,8 +77,9 @@ def build(cfg, ep: int, ref_state: dict | None = None, seed: int = 0):
     model = OmniModel(cfg)
     if ref_state is not None:
         model.load_state_dict(ref_state)
-    plan = parallelize_experts(model, ep) or NoExpertParallel()
-    apply_fsdp2(model, ignored_params=plan.expert_params.values())
+    plan = parallelize_experts(model, ep)
+    apply_fsdp2(model, expert_plan=plan)
+    plan = plan or NoExpertParallel()
     opt = build_optimizer(model, OPTIM)
     plan.attach_optimizer(opt)
     return model, plan, opt
@@ -179,16 +180,25 @@ def main() -> None:
     ref_opt = build_optimizer(ref, OPTIM)
     model, plan, opt = build(cfg, ep, init)
 
-    # what is sharded: experts are this rank's plain shard, everything else a DTensor over the world
-    kinds = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
-    assert not any(kinds[n] for n in plan.expert_params) and all(v for n, v in kinds.items() if n not in plan.expert_params)
-    groups = [(g["weight_decay"] > 0, {isinstance(p, DTensor) for p in g["params"]}) for g in opt.param_groups]
-    assert all(len(kind) == 1 for _, kind in groups) and len(groups) == 3, groups  # one kind per group
-    local_dense = sum(p.to_local().numel() for n, p in model.named_parameters() if n not in plan.expert_params)
+    # what is sharded: with one replica, the experts are this rank's plain shard and everything
+    # else a DTensor over the world; with several, the experts are DTensors over their replica
+    # group and the routers plain
+    mesh = {n: p.device_mesh.size() if isinstance(p, DTensor) else 0 for n, p in model.named_parameters()}
+    replicas = world // ep
+    for n, size in mesh.items():
+        want = (replicas if replicas > 1 else 0) if n in plan.expert_params else \
+            (0 if replicas > 1 and n.endswith(".router") else world)
+        assert size == want, (n, size, want)
+    groups = [(g["weight_decay"] > 0, {mesh[n] for n in g["names"]}) for g in opt.param_groups]
+    assert all(len(kind) == 1 for _, kind in groups) and len(groups) == 4, groups  # one kind per group
+    sharded = [p for n, p in model.named_parameters() if n not in plan.expert_params and isinstance(p, DTensor)]
+    local_dense = sum(p.to_local().numel() for p in sharded)
+    replicated = sum(p.numel() for n, p in model.named_parameters()
+                     if n not in plan.expert_params and not isinstance(p, DTensor))
     dense_sum_max = torch.tensor([local_dense, local_dense], dtype=torch.int64)
     dist.all_reduce(dense_sum_max[:1])
     dist.all_reduce(dense_sum_max[1:], op=dist.ReduceOp.MAX)
-    full_dense = sum(p.numel() for n, p in model.named_parameters() if n not in plan.expert_params)
+    full_dense = sum(p.numel() for p in sharded)
 
     ckpt = os.path.join(out_dir, "ckpt")
     losses, ref_losses, norms, ref_norms, first, routing_flips = [], [], [], [], {}, []
@@ -242,7 +252,7 @@ def main() -> None:
                        "resumed_losses": resumed, "final_worst_param": final_worst, "routing_flips": routing_flips,
                        "expert_numel": plan.expert_numel(), "dense_sum": int(dense_sum_max[0]),
                        "dense_max": int(dense_sum_max[1]),
-                       "full_dense": full_dense}, fh)
+                       "full_dense": full_dense, "replicated": replicated}, fh)
     plan2.close()
     dist.destroy_process_group()
 

@@ -136,6 +136,7 @@ def _fsdp(tmp_path, nproc: int, ep: int, resume_ep: int) -> dict:
                   str(FSDP_WORKER), str(tmp_path), str(ep), str(resume_ep)])
     res = json.loads((tmp_path / "result.json").read_text())
     assert (res["world"], res["ep"], res["resume_ep"]) == (nproc, ep, resume_ep)
+    replicas = nproc // ep
     first = res["first"]
     assert abs(first["loss"] - first["want"]) <= 1e-9 * first["want"], first
     assert abs(first["norm"] - first["want_norm"]) <= 1e-9 * first["want_norm"], first
@@ -150,8 +151,10 @@ def _fsdp(tmp_path, nproc: int, ep: int, resume_ep: int) -> dict:
     assert res["load_err"] == 0.0, res
     assert res["resumed_losses"] == pytest.approx(res["losses"][10:], rel=1e-12)
     assert res["resumed_weight_err"] < 1e-4, res
-    # memory: the experts are 1/EP per rank, the rest 1/world
-    assert res["expert_numel"] * ep == 2 * 3 * 8 * 32 * 16  # 2 MoE layers x 3 matrices x 8 experts x 32 x 16
+    # memory: the experts are 1/EP per rank, and with several replicas sharded over them too (so
+    # 1/world); the rest 1/world but the routers (2 layers x 8 x 32), replicated when experts shard
+    assert res["expert_numel"] * ep * replicas == 2 * 3 * 8 * 32 * 16  # 2 MoE layers x 3 matrices x 8 x 32 x 16
+    assert res["replicated"] == (2 * 8 * 32 if replicas > 1 else 0), res
     assert res["dense_sum"] == res["full_dense"] and res["dense_max"] <= res["full_dense"] / nproc * 1.2, res
     # the checkpoint folder (accelerate's FSDP2 layout) holds every expert, written in EP shards
     # by the ranks that hold them (nothing gathered), and export reads them whole
@@ -159,7 +162,8 @@ def _fsdp(tmp_path, nproc: int, ep: int, resume_ep: int) -> dict:
 
     meta = dcp.FileSystemReader(str(tmp_path / "ckpt" / "pytorch_model_fsdp_0")).read_metadata()
     chunks = meta.state_dict_metadata["model.layers.1.ffn.w_gate"].chunks
-    assert sorted(c.offsets[0] for c in chunks) == [e * 8 // ep for e in range(ep)], chunks
+    pieces = ep * replicas  # with several replicas FSDP2 shards each expert shard over them
+    assert sorted(c.offsets[0] for c in chunks) == [i * 8 // pieces for i in range(pieces)], chunks
     saved = torch.load(tmp_path / "saved_full.pt", weights_only=True)
     exported = read_dcp_state_dict(tmp_path / "ckpt" / "pytorch_model_fsdp_0")
     assert exported.keys() == saved.keys()
@@ -176,8 +180,8 @@ def test_fsdp2_with_ep2_trains_like_one_process_and_resumes_with_ep1(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("ep,resume_ep", [(2, 4), (4, 2)])
 def test_fsdp2_with_ep_and_data_parallel_over_four_processes(tmp_path, ep, resume_ep):
-    """EP 2 x DP 2 (FSDP2 over 4 ranks, expert shards averaged over their replica group) resumed
-    with EP 4, and EP 4 resumed with EP 2 x DP 2."""
+    """EP 2 x DP 2 (FSDP2 over 4 ranks, each expert shard sharded again over its replica group of
+    2) resumed with EP 4 (expert shards whole on their rank), and EP 4 resumed with EP 2 x DP 2."""
     _fsdp(tmp_path, 4, ep, resume_ep)
 
 
@@ -368,9 +372,11 @@ def test_fsdp2_ep_training_matches_data_parallel_resumes_with_ep1_and_exports(tm
 @pytest.mark.slow
 def test_fsdp2_ep_trains_under_bf16_mixed_precision(tmp_path):
     """FSDP2's bf16 MixedPrecisionPolicy (what mixed_precision: bf16 gives on GPUs) casts the
-    sharded parameters; the expert shards, outside FSDP, stay fp32 and the MoE casts them to the
-    activations' dtype. Six steps and a checkpoint run, the loss falls."""
-    _accelerate("fit-fsdp2-bf16", tmp_path, "model.moe.expert_parallel=2", "train.num_steps=6", "checkpoint.every=3")
+    sharded parameters: with EP 2 x DP 2 the expert units over their replica groups and the
+    shared-expert units too, while the routers, outside FSDP, stay fp32 (the router computes in
+    fp32 anyway). Six steps and a checkpoint run, the loss falls."""
+    _accelerate("fit-fsdp2-bf16", tmp_path, "model.moe.expert_parallel=2", "train.num_steps=6", "checkpoint.every=3",
+                nproc=4)
     losses = _losses(tmp_path)
     assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1], losses
     assert (tmp_path / "checkpoints" / "step_00000006" / "accelerate" / "pytorch_model_fsdp_0").is_dir()
