@@ -182,11 +182,19 @@ class ExpertParallel:
         return _AllToAll.apply(y_recv, in_splits, out_splits, self.group)
 
     def close(self) -> None:
-        """Destroy this plan's process groups (at exit; idempotent)."""
-        for g in {self.group, self.replica_group} - {None}:
+        """Destroy this plan's process groups, its device mesh's too (at exit; idempotent)."""
+        # in the same order on every rank (a set's order differs between processes)
+        groups = [g for g in (self.group, self.replica_group) if g is not None]
+        if self._mesh is not None:
+            for dim in range(self._mesh.ndim):
+                with contextlib.suppress(Exception):
+                    g = self._mesh.get_group(dim)
+                    if g is not dist.GroupMember.WORLD and all(g is not h for h in groups):
+                        groups.append(g)
+        for g in groups:
             with contextlib.suppress(Exception):  # already gone with the default group
                 dist.destroy_process_group(g)
-        self.group = self.replica_group = None
+        self.group = self.replica_group = self._mesh = None
 
     # ---- gradients ---------------------------------------------------------------------------
     def grads(self) -> list[torch.Tensor]:
@@ -315,8 +323,9 @@ class ExpertParallel:
 
     @contextlib.contextmanager
     def sharded_state_dict(self):
-        """Inside, the state dicts hold each expert tensor as a DTensor over the (replica, expert
-        group) device mesh, sharded along the experts: nothing is gathered. For
+        """Inside, the state dicts hold each expert tensor as a DTensor of the whole shape over the
+        (expert shard, expert replica) mesh, sharded along the experts over the expert group (and
+        over the replicas, when FSDP2 shards them there): nothing is gathered. For
         torch.distributed.checkpoint (FSDP2's sharded checkpoints): it writes every shard once
         (from one replica) with the full shape in its metadata, and loads any layout back, so a
         checkpoint resumes with another expert-parallel degree, and export consolidates it."""

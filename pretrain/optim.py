@@ -70,9 +70,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float, *, separate_expert
         names.append(name)
     groups = []
     for key in sorted(buckets, key=lambda k: (not k[0], k[1])):  # decayed first, as before the split
-        if key in buckets:
-            params, names = buckets[key]
-            groups.append({"params": params, "weight_decay": weight_decay if key[0] else 0.0, "names": names})
+        params, names = buckets[key]
+        groups.append({"params": params, "weight_decay": weight_decay if key[0] else 0.0, "names": names})
     if not groups:
         raise ValueError("the model has no trainable parameters; check requires_grad on its modules")
     return groups

@@ -139,8 +139,8 @@ class Trainer:
         self.ep = find_plan(model)  # the expert-parallel plan, None without expert parallelism
         self._param_split = None  # (language-model parameters, index-branch parameters), for clipping
         model = model.to(self.device)
-        held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-        log.info("model: %s parameters on this rank%s", f"{held:,}", f"; {self.ep.describe()}" if self.ep is not None else "")
+        n_held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+        log.info("model: %s parameters on this rank%s", f"{n_held:,}", f"; {self.ep.describe()}" if self.ep is not None else "")
         # FSDP2: the routed experts in optimizer groups of their own, at every expert-parallel degree
         optimizer = build_optimizer(model, cfg.optim, separate_experts=bool(getattr(self.acc, "is_fsdp2", False)))
         if self.ep is not None:

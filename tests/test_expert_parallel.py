@@ -311,6 +311,30 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
 
 
 @pytest.mark.slow
+def test_ep2_with_data_parallel_2_trains_20_steps_like_data_parallel_under_ddp(tmp_path):
+    """EP 2 x DP 2 over 4 processes under DDP (accelerate launch): 20 optimizer steps give the
+    losses and the final weights of plain data parallelism over the same 4 processes."""
+    common = ["train.num_steps=20", "checkpoint.every=0"]
+    ep_run, dp_run = tmp_path / "ep", tmp_path / "dp"
+    for d in (ep_run, dp_run):
+        d.mkdir()
+    log = _accelerate("fit", ep_run, *common, "model.moe.expert_parallel=2", nproc=4)
+    assert "expert parallel 2 x 2 replicas" in log, log[-3000:]
+    _accelerate("fit", dp_run, *common, nproc=4)
+    info = json.loads((ep_run / "result_rank0.json").read_text())
+    assert info["world_size"] == 4 and info["ep"] == 2 and not info["fsdp2"]
+    ep_losses, dp_losses = _losses(ep_run), _losses(dp_run)
+    assert sorted(ep_losses) == list(range(1, 21)) and ep_losses[20] < ep_losses[1]
+    for s in ep_losses:
+        assert ep_losses[s] == pytest.approx(dp_losses[s], rel=1e-4), s
+    a = torch.load(ep_run / "full_params.pt", weights_only=True)
+    b = torch.load(dp_run / "full_params.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,extra", [(2, ["model.moe.expert_parallel=2"]), (4, ["model.moe.expert_parallel=2"]),
                                          (2, [])])
 def test_trainer_step_under_fsdp2_equals_one_process_model(tmp_path, nproc, extra):
