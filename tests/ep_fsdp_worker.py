@@ -254,8 +254,17 @@ def main() -> None:
                        "dense_max": int(dense_sum_max[1]),
                        "full_dense": full_dense, "replicated": replicated}, fh)
     plan2.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    import gc
+
+    from omniloom.pretrain.train import close_process_group
+
     main()
+    # the models' DTensors hold their meshes' gloo groups: free them while the interpreter is
+    # whole, then the default group, letting gloo's threads finish (see close_process_group: a
+    # gloo thread still running in the interpreter's teardown aborts the process)
+    gc.collect()
+    dist.barrier()
+    close_process_group()
