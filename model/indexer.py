@@ -141,27 +141,40 @@ def sampled_query_blocks(num_blocks: int, num_samples: int, device: torch.device
     return torch.arange(num_samples, device=device) * (num_blocks - 1) // (num_samples - 1)
 
 
+# Bytes of fp32 scores dense_block_mass holds at once: the sampled query rows go in chunks, so
+# at long_64k (8 heads, 16 x 128 sampled rows, 65,536 keys) the transient is this, not 4.3 GB
+# of scores and as much again of probabilities per B layer.
+MASS_CHUNK_BYTES = 256 * 2**20
+
+
 def dense_block_mass(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The dense (G-rule) attention probability of each sampled query token summed per key
     block, no gradient: [B, H, ns * bs, nb] fp32. Rows of padding queries are garbage (callers
-    weigh them out)."""
+    weigh them out). Computed for chunks of query rows (MASS_CHUNK_BYTES of scores at a time),
+    each key head shared by its group of query heads without copies."""
     bs, Sp, nb = info.block_size, info.padded_len, info.num_blocks
     B, H, S, D = q_BHSD.shape
     K = k_BKSD.shape[1]
+    G = H // K
     dev = q_BHSD.device
     with torch.no_grad():
         tok = (blocks[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
         q = F.pad(q_BHSD.detach().float(), (0, 0, 0, Sp - S)).index_select(2, tok)
-        k = F.pad(k_BKSD.detach().float(), (0, 0, 0, Sp - S))
-        k = k.repeat_interleave(H // K, dim=1)
-        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * (1.0 / math.sqrt(D))
+        q = q.view(B, K, G, len(tok), D)
+        k = F.pad(k_BKSD.detach().float(), (0, 0, 0, Sp - S))  # [B, K, Sp, D]
         idx = torch.arange(Sp, device=dev)
         doc, vis = info.doc_BS, info.vis_BS
-        allowed = token_mask(doc[:, tok, None], vis[:, tok, None], tok[None, :, None],
-                             doc[:, None, :], vis[:, None, :], idx[None, None, :], "G", info.window)
-        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return probs.view(B, H, len(blocks) * bs, nb, bs).sum(-1)
+        rows = max(1, MASS_CHUNK_BYTES // (4 * B * H * Sp))
+        out = torch.empty(B, H, len(tok), nb, device=dev, dtype=torch.float32)
+        for a in range(0, len(tok), rows):
+            t = tok[a:a + rows]
+            scores = torch.einsum("bkgqd,bksd->bkgqs", q[:, :, :, a:a + rows], k) * (1.0 / math.sqrt(D))
+            allowed = token_mask(doc[:, t, None], vis[:, t, None], t[None, :, None],
+                                 doc[:, None, :], vis[:, None, :], idx[None, None, :], "G", info.window)
+            scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[:, :, a:a + len(t)] = probs.reshape(B, H, len(t), nb, bs).sum(-1)
+        return out
 
 
 def selector_stats(

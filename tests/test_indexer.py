@@ -85,6 +85,35 @@ def test_coverage_is_one_when_every_block_is_selected_and_below_one_otherwise():
     assert 0.2 < cov < 1.0
 
 
+def test_dense_block_mass_in_query_chunks_equals_one_pass(monkeypatch):
+    """The KL target and coverage are computed in chunks of query rows (bounded memory at long
+    context): a chunk of one row at a time gives what one pass over all rows gives, on a packed
+    batch with documents, an image and a video, and padding."""
+    import omniloom.model.indexer as ix
+
+    torch.manual_seed(0)
+    cfg = cfg_for()
+    model = OmniModel(cfg)
+    batch = random_packed_batch(cfg, batch_size=2, seq_len=96, seed=5)
+    captured = {}
+    real = ix.dense_block_mass
+
+    def spy(info, q, k, blocks):
+        captured["args"] = (info, q.detach().clone(), k.detach().clone(), blocks)
+        return real(info, q, k, blocks)
+
+    monkeypatch.setattr(ix, "dense_block_mass", spy)
+    model.measure_attention = True
+    with torch.no_grad():
+        model(**batch)
+    info, q, k, blocks = captured["args"]
+    whole = real(info, q, k, blocks)
+    monkeypatch.setattr(ix, "MASS_CHUNK_BYTES", 1)  # one query row per chunk
+    chunked = real(info, q, k, blocks)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-7)
+    assert whole.shape[2] == blocks.numel() * cfg.attention.block_size and whole.shape[2] > 1
+
+
 def test_dense_warmup_is_g_attention_then_switches():
     torch.manual_seed(0)
     batch = random_packed_batch(cfg_for(), batch_size=2, seq_len=96, seed=2)
