@@ -1,6 +1,7 @@
 """Expert parallelism under FSDP2 (issue 16): a tiny OmniModel with its experts sharded over expert
 groups (`parallelize_experts`) and everything else sharded over all ranks by `fully_shard`
-(`pretrain.parallel.apply_fsdp2`, the expert shards left out), trained with AdamW and the trainer's
+(`pretrain.parallel.apply_fsdp2`: with one replica the expert shards stay out of FSDP, with
+several each is sharded again over its replica group), trained with AdamW and the trainer's
 global-norm clip (`ExpertParallel.clip_grad_norm_`) against a 1-process model on the same global
 batches. Run under torchrun (gloo, CPU):
 
