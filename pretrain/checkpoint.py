@@ -40,6 +40,10 @@ TMP_PREFIX = ".tmp-"
 MARKER = "COMPLETE"
 
 
+# accelerate's folder for an FSDP SHARDED_STATE_DICT model (torch.distributed.checkpoint)
+SHARDED_MODEL_DIR = "pytorch_model_fsdp_0"
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -199,18 +203,25 @@ class CheckpointManager:
         states of every rank that wrote the checkpoint, in rank order): a data loader resuming on
         another layout pools them all (data/elastic.py).
 
-        Another world size is accepted when the model and optimizer are replicated (one process or
-        DDP): they load as saved, the ranks' RNG streams are restored only where a saved rank of
-        the same index exists (the resume is no longer bit-exact; the data stream keeps every
-        document once per epoch). A sharded (FSDP) checkpoint needs the same world size."""
+        Another world size is accepted: replicated model and optimizer (one process or DDP) load
+        as saved, a sharded one (FSDP2, torch.distributed.checkpoint) is resharded by DCP as it
+        loads. The ranks' RNG streams are restored only where a saved rank of the same index
+        exists (the resume is no longer bit-exact; the data stream keeps every document once per
+        epoch). A sharded checkpoint needs an FSDP run, a replicated one a run without FSDP."""
         path = Path(path)
         info = json.loads((path / MARKER).read_text())
         saved_world = info.get("world_size")
         same_world = saved_world == self.acc.num_processes
-        if not same_world and (not isinstance(saved_world, int) or saved_world < 1 or self.sharded()):
-            raise ValueError(f"checkpoint {path} was written by {saved_world} processes but this run has "
-                             f"{self.acc.num_processes}; a sharded (FSDP) checkpoint resumes on the same world size "
-                             f"only (launch with --num_processes {saved_world})")
+        if not isinstance(saved_world, int) or saved_world < 1:
+            raise ValueError(f"checkpoint {path} has no valid world size in {MARKER} ({saved_world!r})")
+        saved_sharded = (path / "accelerate" / SHARDED_MODEL_DIR).is_dir()
+        if saved_sharded != self.sharded():
+            how = ("a sharded FSDP2 checkpoint (torch.distributed.checkpoint): resume it with an FSDP accelerate "
+                   "config (configs/accelerate/fsdp2.yaml or ep_fsdp2_8gpu.yaml; any number of processes)"
+                   if saved_sharded else
+                   "a replicated (single-process or DDP) checkpoint: resume it without FSDP (e.g. "
+                   "configs/accelerate/multi_gpu.yaml), or start a fresh FSDP run")
+            raise ValueError(f"checkpoint {path} is {how}; this run is {'FSDP' if self.sharded() else 'not FSDP'}")
         try:
             self.acc.load_state(str(path / "accelerate"))
             trainer_state = torch.load(path / "trainer.pt", weights_only=True)

@@ -63,7 +63,13 @@ def _args(run_dir: Path, root: Path, workers: int, *extra: str) -> list[str]:
             "logging.tensorboard=false", "logging.data_trace=true", *extra]
 
 
-def _launch(num_processes: int, args: list[str]) -> list[str]:
+FSDP2_TRAIN = Path(__file__).with_name("fsdp2_cpu_train.py")
+
+
+def _launch(num_processes: int, args: list[str], fsdp2: bool = False) -> list[str]:
+    if fsdp2:  # the trainer's CLI under FSDP2 (see tests/fsdp2_cpu_train.py)
+        assert args[:2] == ["-m", "omniloom.pretrain.train"] and num_processes > 1
+        args = [str(FSDP2_TRAIN), *args[2:]]
     if num_processes == 1:
         return [sys.executable, *args]
     return [str(ACCELERATE), "launch", "--config_file", str(CPU_2PROC), "--num_processes", str(num_processes),
@@ -76,11 +82,15 @@ def _trace(run_dir: Path) -> dict[str, list[dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("new_procs,ep_before,ep_after", [(1, 1, 1), (4, 1, 1), (4, 2, 4)])
+@pytest.mark.parametrize("new_procs,ep_before,ep_after,fsdp2", [(1, 1, 1, False), (4, 1, 1, False), (4, 2, 4, False),
+                                                                (4, 2, 2, True)])
 def test_killed_2x2_run_resumed_on_another_layout_trains_each_document_once(text_shards_and_tokenizer, tmp_path,
-                                                                              new_procs, ep_before, ep_after):
+                                                                              new_procs, ep_before, ep_after, fsdp2):
     """(4, 2, 4): the killed run has expert parallelism 2 over its 2 processes, the resumed one 4
-    over 4: the checkpoint's full experts are resliced while the data state is redistributed."""
+    over 4: the checkpoint's full experts are resliced while the data state is redistributed.
+    (4, 2, 2, FSDP2): both runs under FSDP2 (tests/fsdp2_cpu_train.py), the sharded checkpoint
+    of 2 processes resharded onto 4 by torch.distributed.checkpoint as it loads, the experts
+    then sharded over replica groups of 2."""
     from omniloom.data.config import SourceConfig
     from omniloom.data.reader import resolve_source
 
@@ -93,7 +103,7 @@ def test_killed_2x2_run_resumed_on_another_layout_trains_each_document_once(text
         path = run / "metrics.jsonl"
         return [r["step"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
 
-    proc = subprocess.Popen(_launch(2, _args(run, root, 2, f"model.moe.expert_parallel={ep_before}")), env=env,
+    proc = subprocess.Popen(_launch(2, _args(run, root, 2, f"model.moe.expert_parallel={ep_before}"), fsdp2), env=env,
                             start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -114,11 +124,14 @@ def test_killed_2x2_run_resumed_on_another_layout_trains_each_document_once(text
     before = _trace(run)
     assert sorted(before) == ["rank00000.jsonl", "rank00001.jsonl"]
     done = subprocess.run(_launch(new_procs, _args(run, root, 1, "checkpoint.resume=auto",
-                                                   f"model.moe.expert_parallel={ep_after}")),
+                                                   f"model.moe.expert_parallel={ep_after}"), fsdp2),
                           env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
     if ep_after > 1:
-        assert f"expert parallel {ep_after} x 1 replicas" in done.stderr, done.stderr[-3000:]
+        assert f"expert parallel {ep_after} x {new_procs // ep_after} replicas" in done.stderr, done.stderr[-3000:]
+    if fsdp2:
+        assert "the expert shards sharded over their replica group of 2" in done.stderr, done.stderr[-3000:]
+        assert (latest_checkpoint(run / "checkpoints") / "accelerate" / "pytorch_model_fsdp_0").is_dir()
     assert f"2 rank(s) x 2 worker(s) -> {new_procs} rank(s) x 1 worker(s)" in done.stderr, done.stderr[-3000:]
     after = _trace(run)
     pieces, resumed = [], []

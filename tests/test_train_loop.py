@@ -97,6 +97,30 @@ def _fake_complete(ckpt_dir: Path, step: int) -> Path:
     return d
 
 
+@pytest.mark.parametrize("saved_sharded,run_fsdp", [(True, False), (False, True)])
+def test_resume_refuses_a_sharded_checkpoint_without_fsdp_and_the_reverse(tmp_path, saved_sharded, run_fsdp):
+    """An FSDP2 (torch.distributed.checkpoint) checkpoint loads on any number of processes, but
+    only in an FSDP run; a replicated one only without FSDP: the error says which config to use."""
+    import json
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from omniloom.pretrain.checkpoint import MARKER, CheckpointManager
+
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    (ckpt / "accelerate").mkdir(parents=True)
+    if saved_sharded:
+        (ckpt / "accelerate" / "pytorch_model_fsdp_0").mkdir()
+    (ckpt / MARKER).write_text(json.dumps({"step": 2, "files": [], "world_size": 2}))
+    acc = SimpleNamespace(num_processes=4, is_main_process=True, process_index=0, wait_for_everyone=lambda: None,
+                          distributed_type=DistributedType.FSDP if run_fsdp else DistributedType.MULTI_GPU)
+    manager = CheckpointManager(tmp_path / "checkpoints", acc)
+    match = "resume it with an FSDP accelerate config" if saved_sharded else "resume it without FSDP"
+    with pytest.raises(ValueError, match=match):
+        manager.load(ckpt)
+
+
 def test_resume_auto_never_picks_a_folder_cut_off_mid_write(tmp_path):
     good = _fake_complete(tmp_path, 8)
     (tmp_path / ".tmp-step_00000012").mkdir()  # killed while writing
