@@ -40,8 +40,9 @@ TMP_PREFIX = ".tmp-"
 MARKER = "COMPLETE"
 
 
-# accelerate's folder for an FSDP SHARDED_STATE_DICT model (torch.distributed.checkpoint)
-SHARDED_MODEL_DIR = "pytorch_model_fsdp_0"
+# what accelerate writes for an FSDP model: a SHARDED_STATE_DICT folder (torch.distributed.checkpoint)
+# or a FULL_STATE_DICT file
+SHARDED_MODEL_DIR, FULL_FSDP_MODEL_FILE = "pytorch_model_fsdp_0", "pytorch_model_fsdp.bin"
 
 
 def checkpoint_name(step: int) -> str:
@@ -214,11 +215,12 @@ class CheckpointManager:
         same_world = saved_world == self.acc.num_processes
         if not isinstance(saved_world, int) or saved_world < 1:
             raise ValueError(f"checkpoint {path} has no valid world size in {MARKER} ({saved_world!r})")
-        saved_sharded = (path / "accelerate" / SHARDED_MODEL_DIR).is_dir()
-        if saved_sharded != self.sharded():
-            how = ("a sharded FSDP2 checkpoint (torch.distributed.checkpoint): resume it with an FSDP accelerate "
-                   "config (configs/accelerate/fsdp2.yaml or ep_fsdp2_8gpu.yaml; any number of processes)"
-                   if saved_sharded else
+        acc_dir = path / "accelerate"
+        saved_fsdp = (acc_dir / SHARDED_MODEL_DIR).is_dir() or (acc_dir / FULL_FSDP_MODEL_FILE).is_file()
+        if saved_fsdp != self.sharded():
+            how = ("an FSDP checkpoint: resume it with an FSDP accelerate config (configs/accelerate/fsdp2.yaml "
+                   "or ep_fsdp2_8gpu.yaml; any number of processes)"
+                   if saved_fsdp else
                    "a replicated (single-process or DDP) checkpoint: resume it without FSDP (e.g. "
                    "configs/accelerate/multi_gpu.yaml), or start a fresh FSDP run")
             raise ValueError(f"checkpoint {path} is {how}; this run is {'FSDP' if self.sharded() else 'not FSDP'}")

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import MARKER, SHARDED_MODEL_DIR, incomplete_reason, latest_checkpoint, list_checkpoints, step_of
+from .checkpoint import (FULL_FSDP_MODEL_FILE, MARKER, SHARDED_MODEL_DIR, incomplete_reason, latest_checkpoint,
+                         list_checkpoints, step_of)
 from .safe_io import INDEX_NAME, SINGLE_NAME, parse_size, safe_torch_load, save_sharded
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ TOKENIZER_FILES = ("tokenizer.model", "omniloom_tokenizer.json", "tokenizer.json
                    "special_tokens_map.json")
 # accelerate.save_state file names for the first (only) model, by how the run was sharded
 ACC_SAFETENSORS, ACC_BIN = "model.safetensors", "pytorch_model.bin"
-ACC_FSDP_FULL, ACC_FSDP_DCP = "pytorch_model_fsdp.bin", SHARDED_MODEL_DIR
+ACC_FSDP_FULL, ACC_FSDP_DCP = FULL_FSDP_MODEL_FILE, SHARDED_MODEL_DIR
 # wrapper segments that DDP / torch.compile / FSDP1 / activation checkpointing can leave in names
 _WRAPPER_SEGMENTS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 

@@ -116,7 +116,7 @@ def test_resume_refuses_a_sharded_checkpoint_without_fsdp_and_the_reverse(tmp_pa
     acc = SimpleNamespace(num_processes=4, is_main_process=True, process_index=0, wait_for_everyone=lambda: None,
                           distributed_type=DistributedType.FSDP if run_fsdp else DistributedType.MULTI_GPU)
     manager = CheckpointManager(tmp_path / "checkpoints", acc)
-    match = "resume it with an FSDP accelerate config" if saved_sharded else "resume it without FSDP"
+    match = "an FSDP checkpoint: resume it with an FSDP accelerate config" if saved_sharded else "resume it without FSDP"
     with pytest.raises(ValueError, match=match):
         manager.load(ckpt)
 
