@@ -231,6 +231,7 @@ class AttnContext:
         self.block_size = info.block_size
         self.index_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # index RoPE angles (indexer_rope_dim > 0)
         self.b_stats: list[dict[str, torch.Tensor]] = []
+        self._kl_targets: dict[object, tuple] = {}  # layer_key -> selector_stats' "target" (small)
         self.cache: dict[str, object] = {}
         if layout is not None and layout.seq_len != info.seq_len:
             raise ValueError(f"BatchLayout is for seq_len {layout.seq_len}, the batch has {info.seq_len}")
@@ -262,9 +263,11 @@ class AttnContext:
         return select_blocks_compact(self.info, q_BHSD, k_BKSD, self.num_selected, scores)
 
     def attend(self, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, kind: str,
-               index: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               index: tuple[torch.Tensor, torch.Tensor] | None = None, layer_key=None) -> torch.Tensor:
         """Attention output [B, H, S, D] for one layer of `kind` (L, G or B). `index`: a B layer's
-        indexer queries and keys (BlockIndexer.forward), None for the pooled selector."""
+        indexer queries and keys (BlockIndexer.forward), None for the pooled selector.
+        `layer_key`: the calling layer's identity; under activation checkpointing, the recomputation
+        of a B layer in backward reuses the KL target its forward computed (see selector_stats)."""
         info, backend = self.info, self.backend
         sel = None
         if kind == "B":
@@ -272,7 +275,17 @@ class AttnContext:
             if not self.dense_b or train_index or self.measure:
                 sel = self.select(q_BHSD, k_BKSD, index)
             if train_index or self.measure:
-                self.b_stats.append(selector_stats(info, q_BHSD, k_BKSD, sel, self.sample_blocks, index))
+                # activation checkpointing re-runs the layer inside backward: its statistics were
+                # logged by the forward, only the KL's graph is needed again, on the same target.
+                # Eager only: a compiled block would bake the check into its graph
+                recompute = (layer_key is not None and not torch.compiler.is_compiling()
+                             and torch._C._current_graph_task_id() != -1)
+                st = selector_stats(info, q_BHSD, k_BKSD, sel, self.sample_blocks, index,
+                                    cached=self._kl_targets.get(layer_key) if recompute else None)
+                if not recompute:
+                    self.b_stats.append(st)
+                    if layer_key is not None and "target" in st:
+                        self._kl_targets[layer_key] = st["target"]
             if self.dense_b:  # warm-up: attend as G; the indexer learns all the same
                 kind, sel = "G", None
         if backend == "flash" and (kind == "B" or any(seg[2] for row in self.layout.segments for seg in row)):
@@ -463,5 +476,6 @@ class Attention(nn.Module):
         q = self.ops.apply_rope(q, cos_BSd, sin_BSd)
         k = self.ops.apply_rope(k, cos_BSd, sin_BSd)
         index = self.indexer(x_BSD.detach(), ctx.block_size, ctx.index_rope) if self.indexer is not None else None
-        out_BHSD = ctx.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kind, index=index)
+        out_BHSD = ctx.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kind, index=index,
+                              layer_key=id(self))
         return self.wo(out_BHSD.transpose(1, 2).reshape(B, S, -1))

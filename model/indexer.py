@@ -184,10 +184,15 @@ def selector_stats(
     sel: Selection,
     num_samples: int,
     index: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """`coverage` (detached scalar) of a B layer's selection `sel` and, with `index` = the
     indexer's (block-start queries [B, K, Hi, Q, d], keys [B, K, S, d]) carrying gradient, its
-    `kl` loss (scalar with gradient). Both over `sampled_query_blocks(Q, num_samples)`."""
+    `kl` loss (scalar with gradient). Both over `sampled_query_blocks(Q, num_samples)`.
+
+    The KL's detached target is returned too, as `target` = (coverage, target, weight); passing
+    it back as `cached` (activation checkpointing's recomputation of the same layer and batch)
+    skips the dense attention it comes from, the costly part, and rebuilds only the KL's graph."""
     bs, nb = info.block_size, info.num_blocks
     B, H, S, _ = q_BHSD.shape
     K = k_BKSD.shape[1]
@@ -195,6 +200,10 @@ def selector_stats(
     dev = q_BHSD.device
     blk = sampled_query_blocks(nb, num_samples, dev)
     ns = blk.shape[0]
+    if cached is not None and index is not None:
+        coverage, target, weight = cached
+        cand = sel.cand_BQn.index_select(1, blk)
+        return {"coverage": coverage, "target": cached, "kl": _indexer_kl(index, blk, bs, cand, target, weight)}
     tok = (blk[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)  # [ns * bs]
     mass = dense_block_mass(info, q_BHSD, k_BKSD, blk)  # [B, H, ns*bs, nb]
     real = (info.doc_BS[:, tok] != PAD_DOC) & (tok < S)  # [B, ns*bs]
@@ -206,7 +215,6 @@ def selector_stats(
     out = {"coverage": coverage}
     if index is None:
         return out
-    iq_BKHQd, ik_BKSd = index
     cand = sel.cand_BQn.index_select(1, blk)  # [B, ns, nb]
     first_BS = sel.first_BS
     with torch.no_grad():
@@ -218,9 +226,16 @@ def selector_stats(
         target = m / total.clamp(min=1e-30)
         weight = (cand.any(-1).unsqueeze(1) & (run.sum(3) > 0)).float()  # [B, K?=1, ns]
         weight = weight.expand(B, K, ns)
+    out["target"] = (coverage, target, weight)
+    out["kl"] = _indexer_kl(index, blk, bs, cand, target, weight)
+    return out
+
+
+def _indexer_kl(index, blk, bs: int, cand, target, weight) -> torch.Tensor:
+    """KL(target || the indexer's block distribution) on the sampled query blocks, weighted mean."""
+    iq_BKHQd, ik_BKSd = index
     scores = indexer_block_scores(iq_BKHQd.index_select(3, blk), ik_BKSd, bs)  # [B, K, ns, nb] with grad
     logp = torch.log_softmax(scores.masked_fill(~cand.unsqueeze(1), float("-inf")), dim=-1)
     logp = torch.where(cand.unsqueeze(1), logp, torch.zeros_like(logp))
     kl_BKs = (torch.xlogy(target, target) - target * logp).sum(-1)
-    out["kl"] = (kl_BKs * weight).sum() / weight.sum().clamp(min=1.0)
-    return out
+    return (kl_BKs * weight).sum() / weight.sum().clamp(min=1.0)

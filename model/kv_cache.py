@@ -157,7 +157,7 @@ class _PrefillContext(AttnContext):
         self.decoder = decoder
         self.layer = -1
 
-    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None):
+    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None, layer_key=None):
         out = super().attend(q_BHSD, k_BKSD, v_BKSD, kind, index=index)
         self.decoder._record_prefill(self.layer, q_BHSD, k_BKSD, v_BKSD, index)
         return out
@@ -171,7 +171,7 @@ class _StepContext:
         self.block_size = decoder.block_size
         self.index_rope = index_rope
 
-    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None):
+    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None, layer_key=None):
         return self.decoder._attend_step(self.layer, self.index, q_BHSD, k_BKSD, v_BKSD, index)
 
 

@@ -114,6 +114,42 @@ def test_dense_block_mass_in_query_chunks_equals_one_pass(monkeypatch):
     assert whole.shape[2] == blocks.numel() * cfg.attention.block_size and whole.shape[2] > 1
 
 
+def test_activation_checkpointing_reuses_the_kl_target_and_keeps_every_gradient(monkeypatch):
+    """Under activation checkpointing a B layer runs again in backward; its KL target (the dense
+    attention of the sampled query blocks) is reused, not recomputed: one dense pass per B layer
+    and step, as without checkpointing, with the same loss, statistics and gradients."""
+    import omniloom.model.indexer as ix
+    from omniloom.pretrain.parallel import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    cfg = cfg_for(pattern="LBLB")
+    plain = OmniModel(cfg)
+    ckpt = OmniModel(cfg)
+    ckpt.load_state_dict(plain.state_dict())
+    assert apply_activation_checkpointing(ckpt) == 4
+    batch = random_packed_batch(cfg, batch_size=2, seq_len=96, seed=5)
+    calls = []
+    real = ix.dense_block_mass
+    monkeypatch.setattr(ix, "dense_block_mass", lambda *args: calls.append(1) or real(*args))
+    results = []
+    for model in (plain, ckpt):
+        calls.clear()
+        out = model(**batch)
+        (out.loss + out.indexer_loss).backward()
+        results.append((out, dict((n, p.grad) for n, p in model.named_parameters()), len(calls)))
+    (a, grads_a, calls_a), (b, grads_b, calls_b) = results
+    assert calls_a == calls_b == 2  # once per B layer (it was twice per B layer with checkpointing)
+    torch.testing.assert_close(b.loss, a.loss)
+    torch.testing.assert_close(b.indexer_kl, a.indexer_kl)
+    torch.testing.assert_close(b.block_coverage, a.block_coverage)
+    assert any(".indexer." in n and g is not None and g.abs().sum() > 0 for n, g in grads_b.items())
+    for name, g in grads_a.items():
+        if g is None:
+            assert grads_b[name] is None or not grads_b[name].any(), name
+        else:
+            torch.testing.assert_close(grads_b[name], g, msg=name)
+
+
 def test_dense_warmup_is_g_attention_then_switches():
     torch.manual_seed(0)
     batch = random_packed_batch(cfg_for(), batch_size=2, seq_len=96, seed=2)
