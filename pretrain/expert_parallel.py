@@ -150,7 +150,7 @@ class ExpertParallel:
     @property
     def expert_range(self) -> tuple[int, int]:
         """[first, last) expert index this rank holds in every MoE layer."""
-        return self.ep_rank * self.num_local, (self.ep_rank + 1) * self.num_local
+        return shard_range(self.num_experts, self.size, self.rank)
 
     # ---- the dispatcher the MoE layers call ------------------------------------------------
     @torch.compiler.disable  # communication and a host read: compiled blocks run it eagerly, between graphs

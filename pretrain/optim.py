@@ -36,8 +36,7 @@ def is_expert_param(name: str) -> bool:
 
 def _fsdp2_kind(name: str) -> int:
     """0: sharded over the world by FSDP2; 1: a routed expert's weight; 2: an MoE router."""
-    leaf = name.rsplit(".", 1)[-1]
-    return 1 if leaf in EXPERT_PARAM_NAMES else 2 if leaf == "router" else 0
+    return 1 if is_expert_param(name) else 2 if name.rsplit(".", 1)[-1] == "router" else 0
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, *, separate_experts: bool | None = None) -> list[dict]:

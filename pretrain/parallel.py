@@ -72,11 +72,16 @@ def apply_compile(model: torch.nn.Module) -> int:
     return len(blocks)
 
 
+def fsdp_plugin(accelerator):
+    """The accelerate config's FSDP plugin, or None."""
+    return getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+
+
 def check_launch(accelerator, expert_parallel: int, num_experts: int) -> None:
     """ValueError saying what to change when `model.moe.expert_parallel` cannot run on this launch."""
     from .expert_parallel import check_expert_parallel
 
-    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    plugin = fsdp_plugin(accelerator)
     check_expert_parallel(expert_parallel, accelerator.num_processes, num_experts,
                           distributed_type=str(getattr(accelerator, "distributed_type", "")),
                           fsdp_version=getattr(plugin, "fsdp_version", None))
@@ -87,7 +92,7 @@ def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator, *, expert_
     activation checkpointing and compile per `train_cfg`, then hand the model to the caller, who
     passes it to `accelerator.prepare` (DDP or FSDP2 from the accelerate config). The expert plan,
     when there is one, is `expert_parallel.find_plan(model)`."""
-    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    plugin = fsdp_plugin(accelerator)
     if expert_parallel > 1:
         from .expert_parallel import parallelize_experts
 
@@ -151,7 +156,7 @@ def apply_fsdp2(model: torch.nn.Module, *, expert_plan=None, ignored_params=(), 
 
 def _fsdp2_settings(accelerator) -> dict:
     """mp_policy / offload_policy / reshard_after_forward of the accelerate config's FSDP plugin."""
-    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    plugin = fsdp_plugin(accelerator)
     if plugin is None:
         return {}
     if getattr(plugin, "fsdp_version", 2) != 2:

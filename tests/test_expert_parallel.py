@@ -197,6 +197,11 @@ def test_expert_weights_get_their_own_optimizer_groups_only_under_fsdp2():
     groups = param_groups(model, 0.1)
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     assert is_expert_param("layers.1.ffn.w_gate") and not is_expert_param("layers.0.ffn.w_gate.weight")
+    split = param_groups(model, 0.1, separate_experts=True)  # what the trainer asks for under FSDP2
+    assert [g["weight_decay"] for g in split] == [0.1, 0.1, 0.1, 0.0]
+    assert split[1]["names"] == ["layers.1.ffn.w_gate", "layers.1.ffn.w_up", "layers.1.ffn.w_down"]
+    assert split[2]["names"] == ["layers.1.ffn.router"]
+    assert sorted(n for g in split for n in g["names"]) == sorted(n for g in groups for n in g["names"])
 
 
 # ---- the trainer under accelerate launch (DDP over gloo) ------------------------------------------
@@ -216,6 +221,13 @@ def _losses(run_dir: Path) -> dict[int, float]:
     from omniloom.pretrain.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def _assert_losses(got: dict[int, float], want: dict[int, float], first: int, last: int) -> None:
+    """`got` logged a loss at exactly steps first..last, each equal to `want`'s (fp32 tolerance)."""
+    assert sorted(got) == list(range(first, last + 1)), sorted(got)
+    for s in got:
+        assert got[s] == pytest.approx(want[s], rel=1e-4), s
 
 
 def _evals(run_dir: Path) -> dict[int, float]:
@@ -266,18 +278,15 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
     assert info[0]["expert_numel"] * 2 == n_experts  # each rank holds half of the expert parameters
 
     ep_losses, dp_losses = _losses(ep_run), _losses(dp_run)
-    assert sorted(ep_losses) == list(range(1, 21)) and ep_losses[20] < ep_losses[1]
-    for s in ep_losses:
-        assert ep_losses[s] == pytest.approx(dp_losses[s], rel=1e-4), s
+    _assert_losses(ep_losses, dp_losses, 1, 20)
+    assert ep_losses[20] < ep_losses[1]
     ep_eval, dp_eval = _evals(ep_run), _evals(dp_run)  # evaluation runs every forward in lockstep
     assert sorted(ep_eval) == [0, 10, 20] and all(ep_eval[s] == pytest.approx(dp_eval[s], rel=1e-4) for s in ep_eval)
 
     # the EP 2 checkpoint of step 10 resumes with expert_parallel=1 (full checkpoint, resliced)
     _accelerate("fit", resumed, *common, f"checkpoint.resume={ep_run / 'checkpoints' / 'step_00000010'}")
     got = _losses(resumed)
-    assert sorted(got) == list(range(11, 21))
-    for s in got:
-        assert got[s] == pytest.approx(ep_losses[s], rel=1e-4), s
+    _assert_losses(got, ep_losses, 11, 20)
 
     # and the data-parallel checkpoint of step 10 resumes with expert_parallel=2 (full tensors sliced
     # to each rank's shard, the optimizer's moments too)
@@ -286,9 +295,7 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
     _accelerate("fit", resumed_ep, *common, "model.moe.expert_parallel=2",
                 f"checkpoint.resume={dp_run / 'checkpoints' / 'step_00000010'}")
     got = _losses(resumed_ep)
-    assert sorted(got) == list(range(11, 21))
-    for s in got:
-        assert got[s] == pytest.approx(dp_losses[s], rel=1e-4), s
+    _assert_losses(got, dp_losses, 11, 20)
 
     # export of the EP checkpoint: the full model, equal to the gathered weights and to the
     # export of the same run without EP
@@ -324,9 +331,8 @@ def test_ep2_with_data_parallel_2_trains_20_steps_like_data_parallel_under_ddp(t
     info = json.loads((ep_run / "result_rank0.json").read_text())
     assert info["world_size"] == 4 and info["ep"] == 2 and not info["fsdp2"]
     ep_losses, dp_losses = _losses(ep_run), _losses(dp_run)
-    assert sorted(ep_losses) == list(range(1, 21)) and ep_losses[20] < ep_losses[1]
-    for s in ep_losses:
-        assert ep_losses[s] == pytest.approx(dp_losses[s], rel=1e-4), s
+    _assert_losses(ep_losses, dp_losses, 1, 20)
+    assert ep_losses[20] < ep_losses[1]
     a = torch.load(ep_run / "full_params.pt", weights_only=True)
     b = torch.load(dp_run / "full_params.pt", weights_only=True)
     assert a.keys() == b.keys()
@@ -370,15 +376,12 @@ def test_fsdp2_ep_training_matches_data_parallel_resumes_with_ep1_and_exports(tm
     assert info["fsdp2"] and info["ep"] == 2 and info["world_size"] == 2
     assert (fsdp_run / "checkpoints" / "step_00000010" / "accelerate" / "pytorch_model_fsdp_0").is_dir()
     ep_losses, dp_losses = _losses(fsdp_run), _losses(dp_run)
-    assert sorted(ep_losses) == list(range(1, 21)) and ep_losses[20] < ep_losses[1]
-    for s in ep_losses:
-        assert ep_losses[s] == pytest.approx(dp_losses[s], rel=1e-4), s
+    _assert_losses(ep_losses, dp_losses, 1, 20)
+    assert ep_losses[20] < ep_losses[1]
 
     _accelerate("fit-fsdp2", resumed, *common, f"checkpoint.resume={fsdp_run / 'checkpoints' / 'step_00000010'}")
     got = _losses(resumed)
-    assert sorted(got) == list(range(11, 21))
-    for s in got:
-        assert got[s] == pytest.approx(ep_losses[s], rel=1e-4), s
+    _assert_losses(got, ep_losses, 11, 20)
 
     tok = tmp_path / "tok"
     make_tiny_tokenizer(tok, vocab_size=512)
