@@ -183,6 +183,65 @@ def gathered_attention(
     return out[:, :, :S]
 
 
+class _SpanAttention(torch.autograd.Function):
+    """CPU: the spans of AttnContext._spans (disjoint query ranges, each against one contiguous
+    key range, causal or masked) through torch's CPU flash kernel called directly. The output is
+    one buffer in [B, S, H, D] memory order (the layer's output projection reads it without a
+    copy), written span by span; backward writes each span's query gradient in place and adds its
+    key and value gradients into one buffer each. Per-span sdpa calls under autograd instead give
+    every span a zero-filled full-size gradient that autograd then sums (O(spans x S) work), and a
+    cat of the outputs: 11% of an L layer's forward + backward at 4k tokens (32 chunks).
+    The kernel needs an additive mask of the query's dtype (a bool mask is refused, and a mask of
+    another float dtype is misread): the bool masks are converted once per call."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, q, k, v, spans):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        B, H, S, D = q.shape
+        out = q.new_empty(B, S, H, D).transpose(1, 2)
+        masks = _additive_masks(spans, q.dtype)
+        lses = []
+        for (b, q0, q1, k0, k1, mask), m in zip(spans, masks):
+            o, lse = flash(q[b : b + 1, :, q0:q1], k[b : b + 1, :, k0:k1], v[b : b + 1, :, k0:k1], 0.0, m is None, attn_mask=m)
+            out[b : b + 1, :, q0:q1] = o
+            lses.append(lse)
+        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.spans, ctx.masks = spans, masks
+        return out
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad_out):
+        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k, v, out, *lses = ctx.saved_tensors
+        B, H, S, D = q.shape
+        grad_out = grad_out.to(q.dtype)
+        dq = q.new_empty(B, S, H, D).transpose(1, 2)
+        dk = k.new_zeros(B, S, k.shape[1], D).transpose(1, 2)
+        dv = torch.zeros_like(dk)
+        for (b, q0, q1, k0, k1, mask), m, lse in zip(ctx.spans, ctx.masks, lses):
+            r, kr = (slice(b, b + 1), slice(None), slice(q0, q1)), (slice(b, b + 1), slice(None), slice(k0, k1))
+            gq, gk, gv = flash_bwd(grad_out[r], q[r], k[kr], v[kr], out[r], lse, 0.0, m is None, attn_mask=m)
+            dq[r] = gq
+            dk[kr] += gk
+            dv[kr] += gv
+        return dq, dk, dv, None
+
+
+def _additive_masks(spans, dtype: torch.dtype) -> list:
+    """Each span's bool mask as 0 / -inf of `dtype` (None stays None: causal), converting a mask
+    shared by several spans once."""
+    done: dict[int, torch.Tensor] = {}
+    out = []
+    for span in spans:
+        m = span[5]
+        if m is not None and id(m) not in done:
+            done[id(m)] = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+        out.append(None if m is None else done[id(m)])
+    return out
+
+
 _FLEX_COMPILED = None
 FLEX_RECOMPILE_LIMIT = 64  # (layer kind x shape) variants one process may compile
 
@@ -322,31 +381,44 @@ class AttnContext:
           plain causal attention (`is_causal`: the fused flash path on CPU and GPU);
         - a longer document under an L layer runs in query chunks, each against only the keys
           its window reaches (cost ~ S x 1.25 window, not S^2 / 2);
-        - a document with visual blocks under a G layer gets a mask of its own length."""
-        info, window = self.info, self.info.window
+        - a document with visual blocks under a G layer gets a mask of its own length.
+        On CPU (eager) the spans run through `_SpanAttention`; elsewhere one sdpa call each."""
+        spans = self._spans(kind)
+        if q.device.type == "cpu" and not torch.compiler.is_compiling() and q.dtype == k.dtype == v.dtype:
+            return _SpanAttention.apply(q, k, v, spans)
         rows = []
-        for b, segs in enumerate(self.layout.segments):
+        for b in range(q.shape[0]):
             parts = []
-            for s0, e0, has_vis in segs:
-                qs, ks, vs = q[b : b + 1, :, s0:e0], k[b : b + 1, :, s0:e0], v[b : b + 1, :, s0:e0]
-                if not has_vis and (kind == "G" or e0 - s0 <= window):
+            for _, c0, c1, k0, k1, mask in (sp for sp in spans if sp[0] == b):
+                qs, ks, vs = q[b : b + 1, :, c0:c1], k[b : b + 1, :, k0:k1], v[b : b + 1, :, k0:k1]
+                if mask is None:
                     parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True))
-                elif kind == "L":
-                    parts.append(self._window_chunks(qs, ks, vs, b, s0, e0, has_vis))
                 else:
-                    mask = self._cached(f"seg{kind}:{b}:{s0}", lambda: self._chunk_mask(b, s0, 0, e0 - s0, 0, e0 - s0, kind))
                     parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True))
             rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
 
-    def _window_chunks(self, qs, ks, vs, b: int, s0: int, e0: int, has_vis: bool) -> torch.Tensor:
-        """One document under an L layer: query chunks of a quarter window, each attending keys
-        [chunk start - window + 1, chunk end) (to chunk end + window - 1 when the document has
-        visual blocks, which look ahead inside their block). A text chunk's mask depends only on
-        its shape, so the interior chunks share one."""
+    def _spans(self, kind: str) -> tuple:
+        """The attention of an L or G layer as disjoint query spans over the whole batch, in order:
+        (row, q0, q1, k0, k1, mask) with the keys [k0, k1) a span's queries [q0, q1) may see and
+        its bool mask [q1 - q0, k1 - k0], or None for plain causal attention (k0 = q0, k1 = q1).
+        Built once per forward and layer kind."""
+        return self._cached(f"spans{kind}", lambda: tuple(
+            span for b, segs in enumerate(self.layout.segments) for s0, e0, has_vis in segs
+            for span in self._doc_spans(b, s0, e0, has_vis, kind)))
+
+    def _doc_spans(self, b: int, s0: int, e0: int, has_vis: bool, kind: str):
+        if not has_vis and (kind == "G" or e0 - s0 <= self.info.window):
+            return [(b, s0, e0, s0, e0, None)]
+        if kind != "L":
+            return [(b, s0, e0, s0, e0, self._chunk_mask(b, s0, 0, e0 - s0, 0, e0 - s0, kind))]
+        # a longer document under an L layer: query chunks of a quarter window, each attending
+        # keys [chunk start - window + 1, chunk end) (to chunk end + window - 1 when the document
+        # has visual blocks, which look ahead inside their block). A text chunk's mask depends
+        # only on its shape, so the interior chunks share one.
         n, W = e0 - s0, self.info.window
-        C = max(self.info.block_size, W // 4)  # 1/4 window: fastest on CPU at 4k (75 ms vs 82 at 1/2, 104 at 1)
-        outs = []
+        C = max(self.info.block_size, W // 4)  # 1/4 window: fastest on CPU at 4k (62 ms vs 73 at 1/2, window 512)
+        spans = []
         for c0 in range(0, n, C):
             c1 = min(c0 + C, n)
             k0, k1 = max(0, c0 - W + 1), (min(n, c1 + W - 1) if has_vis else c1)
@@ -354,8 +426,8 @@ class AttnContext:
                 mask = self._chunk_mask(b, s0, c0, c1, k0, k1, "L")
             else:
                 mask = self._cached(f"band:{c1 - c0}:{k1 - k0}:{c0 - k0}", lambda: self._chunk_mask(b, s0, c0, c1, k0, k1, "L"))
-            outs.append(F.scaled_dot_product_attention(qs[:, :, c0:c1], ks[:, :, k0:k1], vs[:, :, k0:k1], attn_mask=mask, enable_gqa=True))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+            spans.append((b, s0 + c0, s0 + c1, s0 + k0, s0 + k1, mask))
+        return spans
 
     def _chunk_mask(self, b: int, s0: int, c0: int, c1: int, k0: int, k1: int, kind: str) -> torch.Tensor:
         """masks.token_mask for queries [c0, c1) and keys [k0, k1) of the document starting at

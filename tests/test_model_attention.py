@@ -63,6 +63,52 @@ def test_blocksparse_matches_sdpa_forward_and_backward(kind, chunk_tokens, monke
         torch.testing.assert_close(AttnContext(info, "blocksparse", 3, q.device).attend(q, k, v, kind), ref)
 
 
+@pytest.mark.parametrize("kind", ["L", "G"])
+def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_autocast(kind, monkeypatch):
+    """L and G layers on CPU run their per-document spans through _SpanAttention (torch's CPU
+    flash kernel called directly, one output and one gradient buffer): packed rows with several
+    documents, an image, window chunks that share one mask, float64 against the dense reference;
+    bf16 autocast against the per-span sdpa path it replaces."""
+    doc, blk = batch_fields(seq_len=96)
+    info = build_mask_info(doc, blk, block_size=4, window=12)  # documents longer than the window: L chunks
+    used = []
+    real = attention_mod._SpanAttention.apply
+    monkeypatch.setattr(attention_mod._SpanAttention, "apply", lambda *a: used.append(len(a[3])) or real(*a))
+    g = torch.Generator().manual_seed(3)
+    B, S = doc.shape
+    # q as the layer makes it: a [B, S, H, D] buffer seen as [B, H, S, D]
+    q = torch.randn(B, S, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, 2, S, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, 2, S, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(B, 4, S, 8, generator=g, dtype=torch.float64)
+    backend = "blocksparse" if kind == "L" else "sdpa"  # blocksparse gathers G blocks over short documents
+    ctx = AttnContext(info, backend, 3, q.device)
+    out, ref = ctx.attend(q, k, v, kind), dense_reference(q, k, v, info, kind)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    spans = ctx.cache[f"spans{kind}"]
+    assert used == [len(spans)] and sum(q1 - q0 for _, q0, q1, *_ in spans) == B * S  # every query once
+    if kind == "L":  # window chunks: interior chunks of a text document share one mask tensor
+        masks = [m for *_, m in spans if m is not None]
+        assert len(masks) > len({id(m) for m in masks}) > 1
+    with torch.no_grad():
+        torch.testing.assert_close(AttnContext(info, backend, 3, q.device).attend(q, k, v, kind), ref, rtol=1e-12, atol=1e-12)
+    # bf16 autocast: the same as one sdpa call per span (the path off CPU / under compile)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    results = []
+    for span_path in (True, False):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: not span_path)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            qa, ka, va = (t.to(torch.bfloat16) for t in (qf, kf, vf))
+            o = AttnContext(info, backend, 3, q.device).attend(qa, ka, va, kind)
+            grads = torch.autograd.grad((o.float() * w.float()).sum(), (qf, kf, vf))
+        results.append((o, *grads))
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def test_blocksparse_global_layer_over_long_documents_runs_per_document_and_matches():
     # row 0: one long document with an image; row 1: a text document, then a second one
     doc = torch.zeros(2, 64, dtype=torch.int32)
@@ -78,7 +124,9 @@ def test_blocksparse_global_layer_over_long_documents_runs_per_document_and_matc
     torch.testing.assert_close(out, ref)
     for got, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), torch.autograd.grad(ref.square().sum(), (q, k, v))):
         torch.testing.assert_close(got, want)
-    assert "gatheredG" not in ctx.cache and set(k for k in ctx.cache if k.startswith("seg")) == {"segG:0:0"}  # only the image document needs a mask
+    assert "gatheredG" not in ctx.cache  # one span per document; only the image document needs a mask
+    assert [(b, q0, q1, k0, k1, m is not None) for b, q0, q1, k0, k1, m in ctx.cache["spansG"]] == [
+        (0, 0, 64, 0, 64, True), (1, 0, 40, 0, 40, False), (1, 40, 64, 40, 64, False)]
     out, ref = ctx.attend(q, k, v, "L"), dense_reference(q, k, v, info, "L")  # window layers run in chunks
     torch.testing.assert_close(out, ref)
     for got, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), torch.autograd.grad(ref.square().sum(), (q, k, v))):
