@@ -107,6 +107,7 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
         peak = peak_flops_per_device(trainer.device)
         u = mfu(trainer.flops_per_token, tps / world, peak)
         model = trainer.acc.unwrap_model(trainer.model)
+        dense_b = bool(trainer.b_layers) and bool(getattr(model, "dense_b_layers", False))
         n_params = sum(p.numel() for p in model.parameters())
         n_active = model.num_active_params() if hasattr(model, "num_active_params") else n_params
 
@@ -126,4 +127,8 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
     lines.append(f"    {'other':<10} {1000 * other:9.1f} ms  {100 * other / step_s:5.1f}% of step")
     lines.append(f"  reference (same run, interleaved): forward-only {1000 * fwd_only:.1f} ms per batch; "
                  f"train step / forward-only = {step_s / max(fwd_only, 1e-12):.2f}x")
+    if dense_b:  # the timed steps fall in the dense warm-up: the B layers ran as G layers
+        lines.append(f"  note: B layers {trainer.b_layers} were in their dense warm-up (model.attention.dense_warmup_steps="
+                     f"{cfg.model.attention.dense_warmup_steps}) and attended as G layers; add "
+                     "model.attention.dense_warmup_steps=0 to time them sparse")
     return "\n".join(lines)

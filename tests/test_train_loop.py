@@ -414,7 +414,18 @@ def test_bench_train_prints_throughput_and_breakdown(capsys):
     assert "tokens/s:" in out and "MFU omitted" in out and "data=synthetic" in out
     for phase in ("data", "forward", "backward", "optimizer", "other"):
         assert f"    {phase}" in out, phase
-    assert "train step / forward-only =" in out
+    assert "train step / forward-only =" in out and "dense warm-up" not in out
+
+
+def test_bench_train_says_when_b_layers_time_their_dense_warmup(capsys):
+    from omniloom.pretrain.cli import main
+
+    b_model = [*SMALL_MODEL, "model.attention.pattern=LB", "model.attention.num_selected_blocks=2"]
+    for warmup_steps, said in ((100, True), (0, False)):
+        assert main(["-qq", "bench", "train", "--steps", "1", "--warmup", "1", "tiny", *b_model,
+                     f"model.attention.dense_warmup_steps={warmup_steps}"]) == 0
+        out = capsys.readouterr().out
+        assert ("B layers [1] were in their dense warm-up" in out) is said, out
 
 
 def test_train_cli_user_errors_exit_2(tmp_path, capsys):
