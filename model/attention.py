@@ -229,6 +229,11 @@ class _SpanAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def _is_gathered(shared) -> bool:
+    """AttnContext._shared gave blocksparse's gathered (kv_idx, mask), not document spans."""
+    return isinstance(shared, tuple) and len(shared) == 2 and torch.is_tensor(shared[0])
+
+
 def _additive_masks(spans, dtype: torch.dtype) -> list:
     """Each span's bool mask as 0 / -inf of `dtype` (None stays None: causal), converting a mask
     shared by several spans once."""
@@ -347,9 +352,7 @@ class AttnContext:
                         self._kl_targets[layer_key] = st["target"]
             if self.dense_b:  # warm-up: attend as G; the indexer learns all the same
                 kind, sel = "G", None
-        if backend == "flash" and (kind == "B" or any(seg[2] for row in self.layout.segments for seg in row)):
-            log.debug("flash cannot express B layers or bidirectional visual blocks: this layer uses blocksparse")
-            backend = "blocksparse"
+        backend = self._backend_for(kind)
         if backend == "sdpa":
             if sel is None:
                 return self._segments(q_BHSD, k_BKSD, v_BKSD, kind)
@@ -359,16 +362,52 @@ class AttnContext:
                 kv_idx, valid = selected_block_slots(info, sel, self.layout.slots["B"])
                 mask = gathered_mask(info, kind, kv_idx, valid, sel)
             else:
-                if kind == "L" or self.layout.slots[kind] > DENSE_FRACTION * info.num_blocks:
-                    # L layers, and G layers over long documents: contiguous slices per document
-                    # (and per window chunk) do the same rule without copying keys into gathered
-                    # blocks (2.5-3x faster than gathering for L layers at 4k tokens on CPU)
+                shared = self._shared(kind)
+                if not _is_gathered(shared):  # spans: per document (and window chunk)
                     return self._segments(q_BHSD, k_BKSD, v_BKSD, kind)
-                kv_idx, mask = self._cached(f"gathered{kind}", lambda: self._gathered(kind))
+                kv_idx, mask = shared
             return gathered_attention(q_BHSD, k_BKSD, v_BKSD, info.block_size, kv_idx, mask)
         if backend == "flex":
             return self._flex(q_BHSD, k_BKSD, v_BKSD, kind, sel)
         return self._flash(q_BHSD, k_BKSD, v_BKSD, kind)
+
+    def _backend_for(self, kind: str) -> str:
+        if self.backend == "flash" and (kind == "B" or any(seg[2] for row in self.layout.segments for seg in row)):
+            log.debug("flash cannot express B layers or bidirectional visual blocks: this layer uses blocksparse")
+            return "blocksparse"
+        return self.backend
+
+    def _shared(self, kind: str):
+        """What every L or G layer (kind, selection None) of this forward shares, built on first
+        use and cached: the document spans (sdpa; blocksparse L layers and G layers over long
+        documents), the gathered (kv_idx, mask) (blocksparse G over short documents), the flex
+        BlockMask, or flash's cumulative lengths."""
+        backend = self._backend_for(kind)
+        if backend == "sdpa":
+            return self._spans(kind)
+        if backend == "blocksparse":
+            if kind == "L" or self.layout.slots[kind] > DENSE_FRACTION * self.info.num_blocks:
+                # L layers, and G layers over long documents: contiguous slices per document (and
+                # per window chunk) do the same rule without copying keys into gathered blocks
+                # (2.5-3x faster than gathering for L layers at 4k tokens on CPU)
+                return self._spans(kind)
+            return self._cached(f"gathered{kind}", lambda: self._gathered(kind))
+        if backend == "flex":
+            return self._flex_block_mask(kind)
+        return self._flash_cu()
+
+    def prepare(self, kinds) -> None:
+        """Build, before the layers run, what the L and G layers of this forward share (see
+        _shared; B layers in their dense warm-up attend as G). Otherwise the first layer of a
+        kind builds it and stores it here: under activation checkpointing with torch.compile that
+        store is a side effect inside a checkpointed region, which dynamo refuses, and the block
+        then runs uncompiled, in pieces. (B layers append their statistics here too: they still
+        break there; see BENCHMARKS.md.)"""
+        kinds = set(kinds)
+        if "B" in kinds and self.dense_b:
+            kinds.add("G")
+        for kind in sorted(kinds & {"L", "G"}):
+            self._shared(kind)
 
     def _gathered(self, kind):
         kv_idx, valid = block_ranges(self.info, kind, self.layout.slots[kind])
@@ -445,12 +484,9 @@ class AttnContext:
             mask_BKSS = mask_BKSS.repeat_interleave(q.shape[1] // mask_BKSS.shape[1], dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BKSS, enable_gqa=True)
 
-    def _flex(self, q, k, v, kind, sel):
-        from torch.nn.attention.flex_attention import create_block_mask
-
+    def _flex_mask_mod(self, kind: str, sel, G: int):
         info = self.info
-        B, H, S, _ = q.shape
-        G, bs, window = H // k.shape[1], info.block_size, info.window
+        bs, window = info.block_size, info.window
         doc, vis = info.doc_BS, info.vis_BS
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -465,11 +501,24 @@ class AttnContext:
                 m = m & (forced | (sel.hit_BKQn[b, h // G, qb, kb] & sel.first_BS[b, q_idx]))
             return m
 
-        def build():
-            # compiled on CUDA: built on the GPU without an [S, S] tensor (_compile=True)
-            return create_block_mask(mask_mod, B, None, S, S, device=q.device, _compile=q.is_cuda)
+        return mask_mod
 
-        block_mask = self._flex_selected(sel, mask_mod, H) if sel is not None else self._cached(f"flex{kind}", build)
+    def _flex_block_mask(self, kind: str):
+        """The BlockMask every L or G layer of this forward shares; on CUDA built on the GPU
+        without an [S, S] tensor (create_block_mask with _compile=True)."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        B, S = self.info.doc_BS.shape[0], self.info.seq_len
+        dev = self.info.doc_BS.device
+        return self._cached(f"flex{kind}", lambda: create_block_mask(
+            self._flex_mask_mod(kind, None, 1), B, None, S, S, device=dev, _compile=dev.type == "cuda"))
+
+    def _flex(self, q, k, v, kind, sel):
+        H = q.shape[1]
+        if sel is not None:
+            block_mask = self._flex_selected(sel, self._flex_mask_mod(kind, sel, H // k.shape[1]), H)
+        else:
+            block_mask = self._flex_block_mask(kind)
         if q.device.type != "cuda":  # eager: only the forward, used by the CPU parity test of the mask_mod
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -491,6 +540,17 @@ class AttnContext:
         S = info.seq_len
         return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=info.block_size, mask_mod=mask_mod, seq_lengths=(S, S))
 
+    def _flash_cu(self):
+        """flash's cumulative document lengths on the device, and the longest document."""
+        def build():
+            # document boundaries from the host layout: no nonzero / device read
+            lens = [e0 - s0 for segs in self.layout.segments for s0, e0, _ in segs]
+            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+            dev = self.info.doc_BS.device
+            return (cu.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else cu), max(lens)
+
+        return self._cached("flash_cu", build)
+
     def _flash(self, q, k, v, kind):
         from flash_attn import flash_attn_varlen_func
 
@@ -498,14 +558,7 @@ class AttnContext:
             raise ValueError("attention backend 'flash' needs bf16/fp16 activations (train with mixed precision) or choose flex")
         info = self.info
         B, H, S, D = q.shape
-
-        def build():
-            # document boundaries from the host layout: no nonzero / device read
-            lens = [e0 - s0 for segs in self.layout.segments for s0, e0, _ in segs]
-            cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
-            return cu.pin_memory().to(q.device, non_blocking=True), max(lens)
-
-        cu, max_len = self._cached("flash_cu", build)
+        cu, max_len = self._flash_cu()
         window = (info.window - 1, 0) if kind == "L" else (-1, -1)
         flat = lambda t: t.transpose(1, 2).reshape(B * S, t.shape[1], D)  # noqa: E731
         out = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, causal=True, window_size=window)

@@ -178,6 +178,11 @@ class OmniModel(nn.Module):
         ctx = AttnContext(info, att.backend, att.num_selected_blocks, x_BSD.device, layout, dense_b=self.dense_b_layers,
                           measure=self.measure_attention, sample_blocks=att.indexer_sample_blocks)
         ctx.index_rope = self.index_rope(positions)
+        # shared masks and lazy choices made here, not inside a (checkpointed, compiled) block
+        ctx.prepare(cfg.layer_kinds())
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.ffn.prepare(x_BSD)
         real_BS = input_ids != cfg.pad_token_id if cfg.pad_token_id >= 0 else None
         moe_stats = []
         for layer in self.layers:

@@ -69,6 +69,13 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
+@torch.compiler.disable
+def _eager_grouped(moe: "MoE", x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """fp32 grouped matmul under torch.compile, run eagerly between graphs: the CPU kernel takes
+    fp32, but torch's fake-tensor rule for grouped_mm admits only bf16/fp16, so tracing it fails."""
+    return moe.experts_grouped(x_ND, counts_E)
+
+
 class MoE(nn.Module):
     """Routed experts + shared experts for one layer. forward(x_BSD, modality_BS) -> (y_BSD, stats)
     where stats holds counts_ME (tokens per modality and expert), aux_loss and router_z_loss."""
@@ -133,10 +140,19 @@ class MoE(nn.Module):
             self._use_grouped[key] = ok
         return self._use_grouped[key]
 
+    def prepare(self, x: torch.Tensor) -> None:
+        """Make the lazy per-(device, dtype) choice for inputs like `x` now. OmniModel.forward calls
+        it before the blocks run: made inside a checkpointed, compiled block, storing the choice
+        would be a side effect that dynamo refuses there (the block then runs uncompiled)."""
+        self.use_grouped(x.device, self._compute_dtype(x))
+
     def run_experts(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """The experts this module holds (all of them, or this rank's shard under expert
         parallelism) over rows sorted by expert; `counts_E` has one entry per expert held."""
-        if self.use_grouped(x_ND.device, self._compute_dtype(x_ND)):
+        dtype = self._compute_dtype(x_ND)
+        if self.use_grouped(x_ND.device, dtype):
+            if dtype == torch.float32 and torch.compiler.is_compiling():
+                return _eager_grouped(self, x_ND, counts_E)
             return self.experts_grouped(x_ND, counts_E)
         return self.experts_loop(x_ND, counts_E)
 

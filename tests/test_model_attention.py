@@ -109,6 +109,27 @@ def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_aut
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "blocksparse"])
+def test_prepare_builds_every_shared_mask_so_layers_store_nothing(backend):
+    """OmniModel.forward calls ctx.prepare(kinds) before the layers: afterwards L and G layers (and
+    B layers in their dense warm-up, which attend as G) only read the context's cache. A store
+    from inside a layer would be a side effect in a checkpointed region, which torch.compile
+    refuses (the block then runs uncompiled)."""
+    doc, blk = batch_fields(seq_len=96)
+    for seq_blocks in (4, 16):  # blocksparse G: gathered blocks over short documents, spans over long ones
+        info = build_mask_info(doc, blk, block_size=seq_blocks, window=12)
+        g = torch.Generator().manual_seed(0)
+        B, S = doc.shape
+        q, k, v = torch.randn(B, 4, S, 8, generator=g), torch.randn(B, 2, S, 8, generator=g), torch.randn(B, 2, S, 8, generator=g)
+        ctx = AttnContext(info, backend, 3, q.device, dense_b=True)
+        ctx.prepare(["L", "B", "L", "B"])
+        built = dict(ctx.cache)
+        assert built and {"spansL"} <= set(built) and any(key.endswith("G") for key in built)
+        for kind in ("L", "G", "B"):
+            ctx.attend(q, k, v, kind)
+        assert ctx.cache.keys() == built.keys() and all(ctx.cache[key] is built[key] for key in built)
+
+
 def test_blocksparse_global_layer_over_long_documents_runs_per_document_and_matches():
     # row 0: one long document with an image; row 1: a text document, then a second one
     doc = torch.zeros(2, 64, dtype=torch.int32)
