@@ -65,15 +65,15 @@ def test_blocksparse_matches_sdpa_forward_and_backward(kind, chunk_tokens, monke
 
 @pytest.mark.parametrize("kind", ["L", "G"])
 def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_autocast(kind, monkeypatch):
-    """L and G layers on CPU run their per-document spans through _SpanAttention (torch's CPU
+    """L and G layers on CPU run their per-document spans through SpanAttention (torch's CPU
     flash kernel called directly, one output and one gradient buffer): packed rows with several
     documents, an image, window chunks that share one mask, float64 against the dense reference;
     bf16 autocast against the per-span sdpa path it replaces."""
     doc, blk = batch_fields(seq_len=96)
     info = build_mask_info(doc, blk, block_size=4, window=12)  # documents longer than the window: L chunks
     used = []
-    real = attention_mod._SpanAttention.apply
-    monkeypatch.setattr(attention_mod._SpanAttention, "apply", lambda *a: used.append(len(a[3])) or real(*a))
+    real = attention_mod.SpanAttention.apply
+    monkeypatch.setattr(attention_mod.SpanAttention, "apply", lambda *a: used.append(len(a[3])) or real(*a))
     g = torch.Generator().manual_seed(3)
     B, S = doc.shape
     # q as the layer makes it: a [B, S, H, D] buffer seen as [B, H, S, D]
