@@ -149,11 +149,15 @@ class BatchLayout:
 
     segments: per row, the (start, end, has_visual) token range of every document, in order.
     slots: key-block slots per query block that blocksparse gathers for each kind (L, G exact;
-    B an upper bound of the union of the block choices, see `batch_layout`)."""
+    B an upper bound of the union of the block choices, see `batch_layout`).
+    visual: per row, the (start, end) token range of every visual block (a run of one block id
+    inside one document), in order; empty when not computed (the CPU attention then treats a
+    document with visual blocks as a whole)."""
 
     seq_len: int
     segments: tuple[tuple[tuple[int, int, bool], ...], ...]
     slots: dict
+    visual: tuple[tuple[tuple[int, int], ...], ...] = ()
 
 
 def batch_layout(
@@ -189,7 +193,10 @@ def batch_layout(
         starts = [0, *(np.flatnonzero(d[b, 1:] != d[b, :-1]) + 1).tolist()] if S else []
         ends = starts[1:] + [S]
         segments.append(tuple((s0, e0, bool(vis_cum[b, e0] > vis_cum[b, s0])) for s0, e0 in zip(starts, ends)))
-    return BatchLayout(seq_len=S, segments=tuple(segments), slots=slots)
+    first_vis = (is_vis & (info.vis_start_BS == idx))[:, :S].numpy()
+    vis_end = info.vis_end_BS[:, :S].numpy()
+    visual = tuple(tuple((int(t), int(vis_end[b, t])) for t in np.flatnonzero(first_vis[b])) for b in range(B))
+    return BatchLayout(seq_len=S, segments=tuple(segments), slots=slots, visual=visual)
 
 
 def candidate_blocks(info: MaskInfo) -> tuple[torch.Tensor, torch.Tensor]:

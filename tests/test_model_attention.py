@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from omniloom.model import attention as attention_mod
 from omniloom.model.attention import AttnContext, check_backend
 from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
-from omniloom.model.masks import build_mask_info, dense_mask, select_blocks
+from omniloom.model.masks import batch_layout, build_mask_info, dense_mask, select_blocks
 from omniloom.model.synthetic import random_packed_batch
 
 
@@ -63,14 +65,23 @@ def test_blocksparse_matches_sdpa_forward_and_backward(kind, chunk_tokens, monke
         torch.testing.assert_close(AttnContext(info, "blocksparse", 3, q.device).attend(q, k, v, kind), ref)
 
 
+@pytest.mark.parametrize("visual_known", [True, False])
 @pytest.mark.parametrize("kind", ["L", "G"])
-def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_autocast(kind, monkeypatch):
+def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_autocast(kind, visual_known, monkeypatch):
     """L and G layers on CPU run their per-document spans through SpanAttention (torch's CPU
     flash kernel called directly, one output and one gradient buffer): packed rows with several
-    documents, an image, window chunks that share one mask, float64 against the dense reference;
-    bf16 autocast against the per-span sdpa path it replaces."""
+    documents, images and videos, window chunks that share one mask, G query chunks over
+    documents with visual blocks (each against the keys up to its end or its visual blocks' end),
+    float64 against the dense reference; bf16 autocast against the per-span sdpa path it
+    replaces. Without the layout's visual blocks, a visual document is one span (G) or every
+    chunk looks a window ahead (L)."""
+    monkeypatch.setattr(attention_mod, "G_VISUAL_CHUNK", 8)  # several G chunks per visual document
     doc, blk = batch_fields(seq_len=96)
     info = build_mask_info(doc, blk, block_size=4, window=12)  # documents longer than the window: L chunks
+    layout = batch_layout(doc, blk, block_size=4, window=12, num_selected=3)
+    assert any(len(row) > 1 for row in layout.visual)
+    if not visual_known:
+        layout = dataclasses.replace(layout, visual=())
     used = []
     real = attention_mod.SpanAttention.apply
     monkeypatch.setattr(attention_mod.SpanAttention, "apply", lambda *a: used.append(len(a[3])) or real(*a))
@@ -82,18 +93,26 @@ def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_aut
     v = torch.randn(B, 2, S, 8, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(B, 4, S, 8, generator=g, dtype=torch.float64)
     backend = "blocksparse" if kind == "L" else "sdpa"  # blocksparse gathers G blocks over short documents
-    ctx = AttnContext(info, backend, 3, q.device)
+    ctx = AttnContext(info, backend, 3, q.device, layout)
     out, ref = ctx.attend(q, k, v, kind), dense_reference(q, k, v, info, kind)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for got, want in zip(torch.autograd.grad((out * w).sum(), (q, k, v)), torch.autograd.grad((ref * w).sum(), (q, k, v))):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     spans = ctx.cache[f"spans{kind}"]
     assert used == [len(spans)] and sum(q1 - q0 for _, q0, q1, *_ in spans) == B * S  # every query once
+    visual_docs = [(b, s0, e0) for b, row in enumerate(layout.segments) for s0, e0, vis in row if vis]
+    if kind == "G":  # a visual document: chunks of 8 queries when its visual blocks are known
+        for b, s0, e0 in visual_docs:
+            starts = [q0 for row, q0, *_ in spans if row == b and s0 <= q0 < e0]
+            assert starts == (list(range(s0, e0, 8)) if visual_known else [s0])
+    elif visual_known:  # text chunks of a visual document stop at their own end (not only its last chunk)
+        stop = [k1 == q1 for b, q0, q1, k0, k1, m in spans if any(b == row and s0 <= q0 < e0 for row, s0, e0 in visual_docs)]
+        assert sum(stop) > len(visual_docs) and not all(stop)
     if kind == "L":  # window chunks: interior chunks of a text document share one mask tensor
         masks = [m for *_, m in spans if m is not None]
         assert len(masks) > len({id(m) for m in masks}) > 1
     with torch.no_grad():
-        torch.testing.assert_close(AttnContext(info, backend, 3, q.device).attend(q, k, v, kind), ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(AttnContext(info, backend, 3, q.device, layout).attend(q, k, v, kind), ref, rtol=1e-12, atol=1e-12)
     # bf16 autocast: the same as one sdpa call per span (the path off CPU / under compile)
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     results = []
@@ -101,7 +120,7 @@ def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_aut
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: not span_path)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             qa, ka, va = (t.to(torch.bfloat16) for t in (qf, kf, vf))
-            o = AttnContext(info, backend, 3, q.device).attend(qa, ka, va, kind)
+            o = AttnContext(info, backend, 3, q.device, layout).attend(qa, ka, va, kind)
             grads = torch.autograd.grad((o.float() * w.float()).sum(), (qf, kf, vf))
         results.append((o, *grads))
     for got, want in zip(*results):
