@@ -185,6 +185,12 @@ def gathered_attention(
     return out[:, :, :S]
 
 
+def flex_slot_bucket(slots: int, num_blocks: int) -> int:
+    """The key-block slot count a flex B layer's BlockMask is built with: `slots` rounded up to a
+    power of two, at most `num_blocks` (few distinct shapes, so few flex recompiles)."""
+    return min(num_blocks, 1 << max(0, int(slots) - 1).bit_length())
+
+
 def _is_gathered(shared) -> bool:
     """AttnContext._shared gave blocksparse's gathered (kv_idx, mask), not document spans."""
     return isinstance(shared, tuple) and len(shared) == 2 and torch.is_tensor(shared[0])
@@ -496,11 +502,17 @@ class AttnContext:
         """A B layer's BlockMask straight from its selected key blocks (BlockMask.from_kv_blocks):
         for each query block the union of its tokens' choices (selected_block_slots, sized by the
         host layout), every slot a partial block whose tokens the mask_mod decides. No [S, S]
-        tensor and no S x S mask evaluation: the cost is Q x N blocks."""
+        tensor and no S x S mask evaluation: the cost is Q x N blocks.
+
+        N is the layout's bound rounded up to a power of two (at most the block count): the
+        compiled flex kernel is specialised to the index tensor's shape, and the bound moves
+        with each batch's documents and visual blocks (17, 33, 49, ... at long_64k), which would
+        recompile it for each new value. The extra slots are past each row's count, which flex
+        never reads."""
         from torch.nn.attention.flex_attention import BlockMask
 
         info = self.info
-        kv_idx, valid = selected_block_slots(info, sel, self.layout.slots["B"])  # [B, K, Q, N]
+        kv_idx, valid = selected_block_slots(info, sel, flex_slot_bucket(self.layout.slots["B"], info.num_blocks))  # [B, K, Q, N]
         G = H // kv_idx.shape[1]
         num = valid.sum(-1).to(torch.int32).repeat_interleave(G, dim=1)
         idx = kv_idx.to(torch.int32).repeat_interleave(G, dim=1).contiguous()

@@ -251,6 +251,40 @@ def test_flex_matches_sdpa_on_cuda(kind):
         torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
 
 
+def test_flex_b_layer_block_mask_pads_its_slots_to_a_power_of_two_and_means_the_same(monkeypatch):
+    """A flex B layer's BlockMask has a power-of-two slot count (few shapes, few recompiles of
+    the compiled flex kernel across batches); padded slots lie past each row's count, so the
+    mask is the same as with the layout's exact bound."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    assert [attention_mod.flex_slot_bucket(n, 512) for n in (1, 3, 16, 17, 33, 49, 65, 512)] == [1, 4, 16, 32, 64, 64, 128, 512]
+    assert attention_mod.flex_slot_bucket(17, 20) == 20
+    doc, blk = batch_fields(seq_len=96)
+    info = build_mask_info(doc, blk, block_size=4, window=12)
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 4, 96, 8, generator=g), torch.randn(2, 2, 96, 8, generator=g)
+    bucket = attention_mod.flex_slot_bucket
+    grew = []
+    for num_selected in (2, 3, 5):
+        ctx = AttnContext(info, "sdpa", num_selected, q.device)
+        sel = ctx.select(q, k)
+        mask_mod = ctx._flex_mask_mod("B", sel, 2)
+        exact = ctx.layout.slots["B"]
+        monkeypatch.setattr(attention_mod, "flex_slot_bucket", bucket)
+        padded = ctx._flex_selected(sel, mask_mod, 4)
+        assert padded.kv_indices.shape[-1] == bucket(exact, info.num_blocks) >= exact
+        grew.append(padded.kv_indices.shape[-1] > exact)
+        monkeypatch.setattr(attention_mod, "flex_slot_bucket", lambda slots, num_blocks: slots)
+        plain = ctx._flex_selected(sel, mask_mod, 4)
+        assert plain.kv_indices.shape[-1] == exact and isinstance(plain, flex.BlockMask)
+        torch.testing.assert_close(padded.kv_num_blocks, plain.kv_num_blocks)
+        used = torch.arange(exact) < plain.kv_num_blocks.unsqueeze(-1)  # the slots flex reads
+        torch.testing.assert_close(padded.kv_indices[..., :exact][used], plain.kv_indices[used])
+        # the transposed (query-side) blocks the backward walks are the same too
+        torch.testing.assert_close(padded.q_num_blocks, plain.q_num_blocks)
+        torch.testing.assert_close(padded.q_indices, plain.q_indices)
+    assert any(grew)
+
+
 @pytest.mark.slow  # eager flex on CPU costs ~15 s of setup on the shared 2-core machine
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*")
 @pytest.mark.parametrize("kind", ["L", "G", "B"])
