@@ -28,6 +28,17 @@ from . import parity
 from .ops import get_ops, triton_usable
 
 GiB = 1024**3
+KEEP_SPEEDUP = 1.3  # a Triton kernel earns its place at this speedup over eager (issue 13)
+
+
+def compiled_reference_ops():
+    """The reference ops, each under torch.compile: what a Triton kernel must beat to stay."""
+    from types import SimpleNamespace
+
+    from . import reference
+    from .ops import OP_NAMES
+
+    return SimpleNamespace(name="compiled", **{n: torch.compile(getattr(reference, n)) for n in OP_NAMES})
 
 
 def resolve_device(name: str) -> str:
@@ -156,10 +167,23 @@ class Row:
     ms_ref: float
     mem_fast: int | None
     mem_ref: int | None
+    ms_compiled: float | None = None  # the reference under torch.compile (--compile)
 
     @property
     def speedup(self) -> float | None:
         return None if self.ms_fast is None else self.ms_ref / self.ms_fast
+
+    @property
+    def verdict(self) -> str:
+        """Issue 13's rule: a kernel stays if it is at least KEEP_SPEEDUP x eager and faster than
+        torch.compile of its reference; otherwise compiled PyTorch should replace it."""
+        if self.ms_fast is None:
+            return "n/a"
+        if not self.correct:
+            return "wrong"
+        if self.ms_compiled is not None and self.ms_compiled <= self.ms_fast:
+            return "use compile"
+        return "keep" if self.speedup >= KEEP_SPEEDUP else "slow"
 
 
 def _err_vs_float64(op: str, s: dict, dtype, device, ops) -> float:
@@ -174,13 +198,17 @@ def _fmt_mem(b: int | None) -> str:
 
 
 def bench_kernels(*, device: str, dtype: torch.dtype, tokens: int, check_tokens: int, warmup: int, iters: int,
-                  ops_filter: list[str] | None = None, measure_memory: bool = True) -> list[Row]:
-    """Run every MODEL_CASES kernel; print one line per kernel and return the rows."""
+                  ops_filter: list[str] | None = None, measure_memory: bool = True, compare_compile: bool = False) -> list[Row]:
+    """Run every MODEL_CASES kernel; print one line per kernel and return the rows.
+    `compare_compile`: also time each reference under torch.compile (its compile falls in the
+    warm-up calls) and print the verdict: keep the kernel, or use the compiled reference."""
     fast = get_ops("triton") if device.startswith("cuda") and triton_usable()[0] else None
     ref = get_ops("reference")
+    compiled = compiled_reference_ops() if compare_compile else None
     rows = []
     print(f"{'kernel':<22} {'shape':<34} {'err fast':>9} {'err ref':>9} {'ok':>3} {'fast ms':>9} "
-          f"{'eager ms':>9} {'speedup':>8} {'mem fast':>9} {'mem eager':>9}", flush=True)
+          f"{'eager ms':>9} {'speedup':>8} {'mem fast':>9} {'mem eager':>9}"
+          + (f" {'compiled ms':>11} {'verdict':>11}" if compiled else ""), flush=True)
     for op, base_s in parity.MODEL_CASES:
         if ops_filter and op not in ops_filter:
             continue
@@ -196,6 +224,9 @@ def bench_kernels(*, device: str, dtype: torch.dtype, tokens: int, check_tokens:
                                            for k, v in parity.forward(op, ref, inp, s).items()})
         ms_ref = time_ms(lambda: parity.run(op, ref, inp, s, cots=cots), device, warmup, iters)
         ms_fast = time_ms(lambda: parity.run(op, fast, inp, s, cots=cots), device, warmup, iters) if fast else None
+        ms_compiled = None
+        if compiled is not None:
+            ms_compiled = time_ms(lambda: parity.run(op, compiled, inp, s, cots=cots), device, max(warmup, 2), iters)
         mem_fast = mem_ref = None
         if measure_memory:
             if device.startswith("cuda"):
@@ -204,12 +235,13 @@ def bench_kernels(*, device: str, dtype: torch.dtype, tokens: int, check_tokens:
             else:
                 mem_ref = cpu_peak_bytes({"op": op, "shapes": s, "dtype": str(dtype).replace("torch.", "")})
         del inp, cots
-        row = Row(op, s, err_fast, err_ref, correct, ms_fast, ms_ref, mem_fast, mem_ref)
+        row = Row(op, s, err_fast, err_ref, correct, ms_fast, ms_ref, mem_fast, mem_ref, ms_compiled)
         rows.append(row)
         shape = ",".join(f"{k}={v}" for k, v in s.items())
         print(f"{op:<22} {shape:<34} {'n/a' if err_fast is None else f'{err_fast:.1e}':>9} {err_ref:>9.1e} "
               f"{'yes' if correct else 'NO':>3} {'n/a' if ms_fast is None else f'{ms_fast:.3f}':>9} {ms_ref:>9.3f} "
-              f"{'n/a' if row.speedup is None else f'{row.speedup:.2f}x':>8} {_fmt_mem(mem_fast):>9} {_fmt_mem(mem_ref):>9}",
+              f"{'n/a' if row.speedup is None else f'{row.speedup:.2f}x':>8} {_fmt_mem(mem_fast):>9} {_fmt_mem(mem_ref):>9}"
+              + (f" {ms_compiled:>11.3f} {row.verdict:>11}" if compiled is not None else ""),
               flush=True)
     return rows
 
@@ -222,6 +254,9 @@ def summarize(rows: list[Row]) -> dict:
     if timed:
         out["fast_1"] = sum(r.correct and r.speedup > 1 for r in timed) / len(timed)
         out["geomean_speedup"] = math.exp(sum(math.log(r.speedup) for r in timed) / len(timed))
+        out[f"at_least_{KEEP_SPEEDUP}x"] = sum(r.correct and r.speedup >= KEEP_SPEEDUP for r in timed) / len(timed)
+    if any(r.ms_compiled is not None for r in timed):
+        out["verdicts"] = {r.op: r.verdict for r in timed}
     return out
 
 
@@ -229,10 +264,16 @@ def print_summary(rows: list[Row], fast_available: bool) -> None:
     s = summarize(rows)
     line = f"summary: {s['kernels']} kernels, correct {s['correct']:.0%}"
     if fast_available and "fast_1" in s:
-        line += f", faster than eager (fast_1) {s['fast_1']:.0%}, geomean speedup {s['geomean_speedup']:.2f}x"
+        line += (f", faster than eager (fast_1) {s['fast_1']:.0%}, at least {KEEP_SPEEDUP}x eager "
+                 f"{s[f'at_least_{KEEP_SPEEDUP}x']:.0%}, geomean speedup {s['geomean_speedup']:.2f}x")
     else:
         line += " (reference vs float64); Triton timings need CUDA: fast_1 and speedups not measured"
     print(line, flush=True)
+    if "verdicts" in s:
+        give_way = [op for op, v in s["verdicts"].items() if v != "keep"]
+        print("verdicts (keep: correct, >= %.1fx eager and faster than torch.compile of the reference): %s%s" % (
+            KEEP_SPEEDUP, ", ".join(f"{op} {v}" for op, v in s["verdicts"].items()),
+            f"; give way to compiled PyTorch or fix: {', '.join(give_way)}" if give_way else "; every kernel stays"), flush=True)
 
 
 def ce_memory(*, device: str, tokens: int, vocab: int, dim: int, chunks: list[int], naive_backward: bool) -> dict:

@@ -34,6 +34,10 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--iters", type=int, default=0, help="timed calls (median reported); 0 = 20 on CUDA, 2 on CPU")
     p.add_argument("--ops", default="", help=f"comma-separated subset of {','.join(BENCH_OPS)}")
     p.add_argument("--no-memory", action="store_true", help="skip per-kernel peak memory (on CPU it costs a subprocess per kernel)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time each reference under torch.compile and print each kernel's verdict: keep it "
+                        "(correct, >= 1.3x eager, faster than compiled) or give way to compiled PyTorch "
+                        "(compiling costs seconds to minutes per kernel)")
     p.add_argument("--skip-ce-memory", action="store_true", help="skip the chunked-vs-naive cross-entropy memory comparison")
     p.add_argument("--ce-tokens", type=int, default=16384, help="tokens for the CE memory comparison")
     p.add_argument("--ce-vocab", type=int, default=65536, help="vocab for the CE memory comparison")
@@ -75,7 +79,8 @@ def _bench_kernels(args) -> int:
     if not on_cuda:
         print("no CUDA: the fast column is n/a (Triton timings need CUDA); the eager reference is measured", flush=True)
     rows = bench.bench_kernels(device=device, dtype=dtype, tokens=tokens, check_tokens=check_tokens, warmup=warmup,
-                               iters=iters, ops_filter=ops or None, measure_memory=not args.no_memory)
+                               iters=iters, ops_filter=ops or None, measure_memory=not args.no_memory,
+                               compare_compile=args.compile)
     fast_available = any(r.ms_fast is not None for r in rows)
     bench.print_summary(rows, fast_available)
     out = {"device": name, "dtype": str(dtype), "tokens": tokens, "rows": [asdict(r) for r in rows],

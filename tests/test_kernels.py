@@ -164,6 +164,35 @@ def test_bench_kernels_cli_on_cpu(capsys, tmp_path):
     assert mem["naive"] > 0 and mem["reference/chunk16"] > 0  # fresh-process RSS figures came back
 
 
+def test_kernel_verdict_follows_the_keep_rule():
+    """A kernel stays when correct, >= 1.3x eager and faster than torch.compile of its reference."""
+    from omniloom.kernels.bench import KEEP_SPEEDUP, Row, summarize
+
+    def row(op, ms_fast, ms_compiled, correct=True):
+        return Row(op, {}, 1e-3, 1e-3, correct, ms_fast, 10.0, None, None, ms_compiled)
+
+    rows = [row("a", 5.0, 6.0), row("b", 5.0, 4.0), row("c", 9.0, None), row("d", 5.0, 6.0, correct=False),
+            row("e", 10.0 / KEEP_SPEEDUP, None)]
+    assert [r.verdict for r in rows] == ["keep", "use compile", "slow", "wrong", "keep"]
+    assert Row("f", {}, None, 1e-3, True, None, 10.0, None, None).verdict == "n/a"
+    s = summarize(rows)
+    assert s["verdicts"] == {"a": "keep", "b": "use compile", "c": "slow", "d": "wrong", "e": "keep"}
+    assert s[f"at_least_{KEEP_SPEEDUP}x"] == 3 / 5  # a, b and e (b is fast but loses to compile)
+
+
+def test_bench_kernels_compile_column_on_cpu(capsys):
+    """--compile times each reference under torch.compile (inductor needs a C++ compiler on CPU)."""
+    from omniloom.pretrain.cli import main
+
+    rc = main(["bench", "kernels", "--ops", "rms_norm", "--tokens", "8", "--check-tokens", "4", "--iters", "1",
+               "--no-memory", "--skip-ce-memory", "--compile"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    header, line = [ln for ln in text.splitlines() if ln.startswith(("kernel ", "rms_norm"))]
+    assert header.split()[-2:] == ["ms", "verdict"] and "compiled" in header
+    assert float(line.split()[-2]) > 0 and line.split()[-1] == "n/a"  # no Triton on CPU: no verdict
+
+
 def test_bench_kernels_cli_rejects_unknown_op(capsys):
     from omniloom.pretrain.cli import main
 
