@@ -53,8 +53,9 @@ class SyntheticLoader:
     def load_state_dict(self, state: dict) -> None:
         self.index = int(state["index"])
 
-def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: int = 2) -> str:
-    """Time `steps` training steps of `preset` after `warmup` and return the printable report."""
+def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: int = 2, figures: dict | None = None) -> str:
+    """Time `steps` training steps of `preset` after `warmup` and return the printable report
+    (and fill `figures`, when given, with seq_len, step_s and tokens_per_s)."""
     from . import build as B
     from .config import load_config
     from .metrics import StepTimer, mfu, peak_flops_per_device
@@ -127,8 +128,35 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
     lines.append(f"    {'other':<10} {1000 * other:9.1f} ms  {100 * other / step_s:5.1f}% of step")
     lines.append(f"  reference (same run, interleaved): forward-only {1000 * fwd_only:.1f} ms per batch; "
                  f"train step / forward-only = {step_s / max(fwd_only, 1e-12):.2f}x")
+    if figures is not None:
+        figures.update(seq_len=cfg.data.seq_len, step_s=step_s, tokens_per_s=tps)
     if dense_b:  # the timed steps fall in the dense warm-up: the B layers ran as G layers
         lines.append(f"  note: B layers {trainer.b_layers} were in their dense warm-up (model.attention.dense_warmup_steps="
                      f"{cfg.model.attention.dense_warmup_steps}) and attended as G layers; add "
                      "model.attention.dense_warmup_steps=0 to time them sparse")
     return "\n".join(lines)
+
+
+def bench_train_lengths(preset: str, overrides: list[str], seq_lens: list[int], *, steps: int, warmup: int) -> str:
+    """`bench_train` at each sequence length in turn (a fresh trainer each, in this process), then
+    a table of step time and tokens/s per length with the step-time ratio per step up in length
+    (about 2x per doubling when the cost is linear in the sequence)."""
+    import gc
+
+    reports, rows = [], []
+    for seq_len in seq_lens:
+        fig: dict = {}
+        reports.append(bench_train(preset, list(overrides) + [f"data.seq_len={seq_len}"], steps=steps, warmup=warmup, figures=fig))
+        rows.append(fig)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    lines = ["", f"step time by sequence length ({preset}, same overrides, one process):",
+             f"  {'seq':>7} {'step ms':>10} {'tokens/s':>11} {'ratio to previous':>18}"]
+    for i, r in enumerate(rows):
+        ratio = ""
+        if i:
+            prev = rows[i - 1]
+            ratio = f"{r['step_s'] / prev['step_s']:.2f}x for {r['seq_len'] / prev['seq_len']:g}x tokens"
+        lines.append(f"  {r['seq_len']:>7} {1000 * r['step_s']:>10.1f} {r['tokens_per_s']:>11,.0f} {ratio:>18}")
+    return "\n\n".join(reports) + "\n" + "\n".join(lines)

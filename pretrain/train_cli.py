@@ -74,13 +74,27 @@ def register_bench(bench_sub) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.sources='[{path: shards}]'")
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
-    p.epilog = "Options go before PRESET. Example: omniloom bench train --steps 5 tiny data.seq_len=256"
+    p.add_argument("--seq-lens", default="",
+                   help="comma-separated sequence lengths: run the bench at each (a fresh trainer each) and end "
+                        "with a table of step time per length and its ratio to the previous one (default: the "
+                        "preset's data.seq_len only)")
+    p.epilog = ("Options go before PRESET. Example: omniloom bench train --steps 5 tiny data.seq_len=256; "
+                "omniloom bench train --steps 3 --seq-lens 8192,16384,32768,65536 long_64k")
     p.set_defaults(func=_bench)
 
 
 def _bench(args) -> int:
-    from .bench import bench_train
+    from .bench import bench_train, bench_train_lengths
 
+    if args.seq_lens:
+        try:
+            lens = [int(x) for x in args.seq_lens.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--seq-lens takes comma-separated integers, got '{args.seq_lens}'") from None
+        if not lens or min(lens) < 1:
+            raise ValueError(f"--seq-lens takes positive sequence lengths, got '{args.seq_lens}'")
+        print(bench_train_lengths(args.preset, list(args.overrides), lens, steps=args.steps, warmup=args.warmup))
+        return 0
     report = bench_train(args.preset, list(args.overrides), steps=args.steps, warmup=args.warmup)
     print(report)
     return 0

@@ -417,6 +417,20 @@ def test_bench_train_prints_throughput_and_breakdown(capsys):
     assert "train step / forward-only =" in out and "dense warm-up" not in out
 
 
+def test_bench_train_at_several_sequence_lengths_prints_the_step_time_per_length(capsys):
+    from omniloom.pretrain.cli import main
+
+    model = [o for o in SMALL_MODEL if not o.startswith("data.seq_len")]
+    assert main(["-qq", "bench", "train", "--steps", "1", "--warmup", "1", "--seq-lens", "32,64", "tiny", *model]) == 0
+    out = capsys.readouterr().out
+    assert out.count("tokens/s:") == 2 and "seq 32 x accum" in out and "seq 64 x accum" in out
+    table = out.split("step time by sequence length")[1].splitlines()
+    rows = [line.split() for line in table if line.strip() and line.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["32", "64"] and rows[1][-3:] == ["for", "2x", "tokens"]
+    assert main(["-qq", "bench", "train", "--seq-lens", "64,x", "tiny"]) == 2
+    assert "--seq-lens takes comma-separated integers" in capsys.readouterr().err
+
+
 def test_bench_train_says_when_b_layers_time_their_dense_warmup(capsys):
     from omniloom.pretrain.cli import main
 
