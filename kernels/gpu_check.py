@@ -255,6 +255,21 @@ def section_step_speed() -> None:
         syncs = f"{len(msgs)}" + (f" (first: {msgs[0][:120]})" if msgs else "")
     say(f"host syncs in one forward+backward ({backend}, 2 x {PLAN['seq_len']} multimodal): {syncs}")
     RESULTS["step_syncs"] = syncs
+    # (a2) new batches, new layouts (documents, visual blocks: the B layer's slot bound moves):
+    # the compiled flex kernels must serve them without compiling again
+    try:
+        import torch._dynamo.utils as du
+
+        mark = sum(du.counters["stats"].values())
+        for seed in range(1, 5):
+            new = random_packed_batch(cfg, batch_size=2, seq_len=PLAN["seq_len"], docs_per_row=1 + seed, seed=seed)
+            new_layout = model.batch_layout(new["doc_ids"], new["block_ids"])
+            model(**{k: v.to(dev) for k, v in new.items()}, layout=new_layout).loss.backward()
+        n = sum(du.counters["stats"].values()) - mark
+        say(f"dynamo stats over 4 new batches (other documents and visual blocks, {backend}): {n} (0: nothing recompiled)")
+        RESULTS["recompiles_new_batches"] = n
+    except Exception as err:  # noqa: BLE001 - report and go on to the other rows of this section
+        say(f"new-batch recompile check failed: {type(err).__name__}: {err}")
     # (b) flex sliding-window vs global, and recompiles after warm-up
     if dev == "cuda":
         import torch._dynamo.utils as du

@@ -4,7 +4,11 @@ rows: the real ones need a GPU)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+
+import pytest
 
 from omniloom.kernels import gpu_rows
 
@@ -54,3 +58,15 @@ def test_list_and_unknown_rows(capsys):
     except SystemExit as e:
         assert e.code == 2
     assert "unknown row(s) nope" in capsys.readouterr().err
+
+
+def test_gpu_check_step_speed_section_runs_on_cpu_as_a_smoke_test(tmp_path):
+    """gpu_check's step-speed section (a gpu_rows row) runs every code path on CPU at tiny sizes
+    under TRITON_INTERPRET=1, including the new-batches recompile count."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-m", "omniloom.kernels.gpu_check", "--smoke", "--only", "5", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "failed sections: none" in proc.stdout
+    assert "dynamo stats over 4 new batches" in proc.stdout and (tmp_path / "gpu_check.json").exists()
