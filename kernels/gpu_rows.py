@@ -40,6 +40,11 @@ ROWS: list[tuple[str, list[str], int, str]] = [
      "(eager blocks: compile time is unknown)"),
     ("decode", [*CLI, "bench", "decode", "--contexts", "8192,32768,131072"], 60,
      "issue 17: KV-cache memory and decode tokens/s at 8k-128k against a full-attention cache"),
+    ("long_64k_compiled", [*CLI, "bench", "train", "--steps", "2", "--warmup", "1", "--seq-lens", "8192,65536",
+                           "long_64k", "model.attention.dense_warmup_steps=0", "train.compile=true",
+                           "train.grad_accum_steps=1"], 240,
+     "issues 13/17: the long_64k row with compiled, checkpointed blocks (every kind compiles whole): "
+     "is compile faster, and what does it cost to compile (the warm-up step)"),
 ]
 
 

@@ -232,7 +232,9 @@ class AttnContext:
     B layers: `dense_b` makes them attend as G (the dense warm-up). Their selector statistics
     (model/indexer.py: the indexer's KL loss when an index branch is passed, the coverage of the
     dense attention) are computed on `sample_blocks` query blocks when the indexer trains (grad
-    enabled) or when `measure` is set, and appended to `b_stats`, one dict per B layer in order."""
+    enabled) or when `measure` is set, and returned by `attend_stats` to the calling layer, which
+    returns them through its block's outputs: a layer writes nothing into this shared context
+    (inside a checkpointed, compiled block such a store is a side effect dynamo refuses)."""
 
     def __init__(self, info: MaskInfo, backend: str, num_selected_blocks: int, device: torch.device, layout: BatchLayout | None = None,
                  *, dense_b: bool = False, measure: bool = False, sample_blocks: int = 16):
@@ -242,8 +244,8 @@ class AttnContext:
         self.dense_b, self.measure, self.sample_blocks = dense_b, measure, sample_blocks
         self.block_size = info.block_size
         self.index_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # index RoPE angles (indexer_rope_dim > 0)
-        self.b_stats: list[dict[str, torch.Tensor]] = []
-        self._kl_targets: dict[object, tuple] = {}  # layer_key -> selector_stats' "target" (small)
+        # layer_key -> selector_stats' "target" (small), for eager activation checkpointing only
+        self._kl_targets: dict[object, tuple] = {}
         self.cache: dict[str, object] = {}
         if layout is not None and layout.seq_len != info.seq_len:
             raise ValueError(f"BatchLayout is for seq_len {layout.seq_len}, the batch has {info.seq_len}")
@@ -276,30 +278,46 @@ class AttnContext:
 
     def attend(self, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, kind: str,
                index: tuple[torch.Tensor, torch.Tensor] | None = None, layer_key=None) -> torch.Tensor:
-        """Attention output [B, H, S, D] for one layer of `kind` (L, G or B). `index`: a B layer's
-        indexer queries and keys (BlockIndexer.forward), None for the pooled selector.
-        `layer_key`: the calling layer's identity; under activation checkpointing, the recomputation
-        of a B layer in backward reuses the KL target its forward computed (see selector_stats)."""
-        info, backend = self.info, self.backend
-        sel = None
+        """Attention output [B, H, S, D] for one layer of `kind` (L, G or B); `attend_stats`
+        also returns a B layer's selector statistics."""
+        return self.attend_stats(q_BHSD, k_BKSD, v_BKSD, kind, index, layer_key)[0]
+
+    def attend_stats(self, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, kind: str,
+                     index: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     layer_key=None) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """(attention output [B, H, S, D], selector statistics or None) for one layer of `kind`.
+        The statistics (a B layer's, when the indexer trains or `measure` is set) are
+        model/indexer.py's `selector_stats` without its cached target: `coverage`, and `kl` when
+        `index` is given. `index`: a B layer's indexer queries and keys (BlockIndexer.forward),
+        None for the pooled selector. `layer_key`: the calling layer's identity; under eager
+        activation checkpointing, the recomputation of a B layer in backward reuses the KL target
+        its forward computed (see selector_stats)."""
+        info = self.info
+        sel = stats = None
         if kind == "B":
             train_index = index is not None and torch.is_grad_enabled()
             if not self.dense_b or train_index or self.measure:
                 sel = self.select(q_BHSD, k_BKSD, index)
             if train_index or self.measure:
-                # activation checkpointing re-runs the layer inside backward: its statistics were
-                # logged by the forward, only the KL's graph is needed again, on the same target.
-                # Eager only: a compiled block would bake the check into its graph
-                recompute = (layer_key is not None and not torch.compiler.is_compiling()
-                             and torch._C._current_graph_task_id() != -1)
+                # activation checkpointing re-runs the layer inside backward: only the KL's graph
+                # is needed again, on the same target. The cache is eager only: a compiled block
+                # neither reads it (the check would be baked into its graph) nor writes it (a side
+                # effect); it recomputes the target, which is deterministic
+                eager = layer_key is not None and not torch.compiler.is_compiling()
+                recompute = eager and torch._C._current_graph_task_id() != -1
                 st = selector_stats(info, q_BHSD, k_BKSD, sel, self.sample_blocks, index,
                                     cached=self._kl_targets.get(layer_key) if recompute else None)
-                if not recompute:
-                    self.b_stats.append(st)
-                    if layer_key is not None and "target" in st:
-                        self._kl_targets[layer_key] = st["target"]
+                target = st.pop("target", None)
+                if eager and not recompute and target is not None:
+                    self._kl_targets[layer_key] = target
+                stats = st
             if self.dense_b:  # warm-up: attend as G; the indexer learns all the same
                 kind, sel = "G", None
+        return self._attend(q_BHSD, k_BKSD, v_BKSD, kind, sel), stats
+
+    def _attend(self, q_BHSD, k_BKSD, v_BKSD, kind: str, sel: Selection | None) -> torch.Tensor:
+        """The attention of one layer of `kind`, with a B layer's selection `sel`."""
+        info = self.info
         backend = self._backend_for(kind)
         if backend == "sdpa":
             if sel is None:
@@ -564,7 +582,9 @@ class Attention(nn.Module):
                 self.indexer = BlockIndexer(dim=dim, num_kv_heads=num_kv_heads, heads=indexer_heads, dim_idx=indexer_dim,
                                             rope_dim=indexer_rope_dim)
 
-    def forward(self, x_BSD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor,
+                ctx: AttnContext) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """(output [B, S, D], this layer's selector statistics or None: AttnContext.attend_stats)."""
         B, S, _ = x_BSD.shape
         # q, k and v in one GEMM over the concatenated weights (x read once, one wider matmul)
         qkv = F.linear(x_BSD, torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
@@ -579,6 +599,6 @@ class Attention(nn.Module):
         q = self.ops.apply_rope(q, cos_BSd, sin_BSd)
         k = self.ops.apply_rope(k, cos_BSd, sin_BSd)
         index = self.indexer(x_BSD.detach(), ctx.block_size, ctx.index_rope) if self.indexer is not None else None
-        out_BHSD = ctx.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kind, index=index,
-                              layer_key=id(self))
-        return self.wo(out_BHSD.transpose(1, 2).reshape(B, S, -1))
+        out_BHSD, stats = ctx.attend_stats(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kind,
+                                           index=index, layer_key=id(self))
+        return self.wo(out_BHSD.transpose(1, 2).reshape(B, S, -1)), stats

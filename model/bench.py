@@ -101,8 +101,8 @@ def bench_attention(*, device: torch.device, seq_lens: list[int], kinds: str, ba
             # the mask description is built per forward in the model too: include it
             info = build_mask_info(doc, blk, block_size=block_size, window=window)
             ctx = AttnContext(info, backend, num_selected, q.device)
-            out = ctx.attend(q, k, v, kind, index=index)
-            loss = out.sum() + sum(st["kl"] for st in ctx.b_stats if "kl" in st)
+            out, stats = ctx.attend_stats(q, k, v, kind, index=index)
+            loss = out.sum() + (stats["kl"] if stats is not None and "kl" in stats else 0)
             loss.backward()
 
         # warm up once per (kind, backend), at its shortest length: a warm-up at 16k sdpa costs a minute

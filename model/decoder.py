@@ -80,12 +80,16 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, ops, expert_range) if self.is_moe else SwiGLUMLP(cfg.dim, cfg.moe.dense_dim, ops)
 
     def forward(self, x_BSD, cos_BSd, sin_BSd, ctx: AttnContext, modality_BS, real_BS=None):
-        x_BSD = x_BSD + self.attn(self.ops.rms_norm(x_BSD, self.attn_norm, self.eps), cos_BSd, sin_BSd, ctx)
+        """(x_BSD out, the MoE's statistics or None, the attention's selector statistics or None).
+        Statistics leave through the outputs: the block writes nothing into `ctx` or other shared
+        state, so a checkpointed block compiles whole."""
+        a_BSD, selector_stats = self.attn(self.ops.rms_norm(x_BSD, self.attn_norm, self.eps), cos_BSd, sin_BSd, ctx)
+        x_BSD = x_BSD + a_BSD
         h = self.ops.rms_norm(x_BSD, self.ffn_norm, self.eps)
         if self.is_moe:
-            y, stats = self.ffn(h, modality_BS, real_BS)
-            return x_BSD + y, stats
-        return x_BSD + self.ffn(h), None
+            y, moe_stats = self.ffn(h, modality_BS, real_BS)
+            return x_BSD + y, moe_stats, selector_stats
+        return x_BSD + self.ffn(h), None, selector_stats
 
 
 class OmniModel(nn.Module):
@@ -184,11 +188,13 @@ class OmniModel(nn.Module):
             if layer.is_moe:
                 layer.ffn.prepare(x_BSD)
         real_BS = input_ids != cfg.pad_token_id if cfg.pad_token_id >= 0 else None
-        moe_stats = []
+        moe_stats, b_stats = [], []
         for layer in self.layers:
-            x_BSD, stats = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality, real_BS)
+            x_BSD, stats, sel_stats = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality, real_BS)
             if stats is not None:
                 moe_stats.append(stats)
+            if sel_stats is not None:
+                b_stats.append(sel_stats)
         output_rms = x_BSD.detach().float().pow(2).mean().sqrt()
         h_TD = self.ops.rms_norm(x_BSD, self.norm, cfg.norm_eps).reshape(B * S, -1)
         labels_T = labels.reshape(-1)
@@ -206,10 +212,10 @@ class OmniModel(nn.Module):
         router_z_loss = cfg.moe.router_z_loss_coef * rz / n_moe
         loss = ce_loss + z_loss + aux_loss + router_z_loss
         indexer_loss = indexer_kl = block_coverage = None
-        if ctx.b_stats:
-            block_coverage = torch.stack([st["coverage"] for st in ctx.b_stats])
-            if "kl" in ctx.b_stats[0]:
-                kl = torch.stack([st["kl"] for st in ctx.b_stats])
+        if b_stats:
+            block_coverage = torch.stack([st["coverage"] for st in b_stats])
+            if "kl" in b_stats[0]:
+                kl = torch.stack([st["kl"] for st in b_stats])
                 indexer_kl = kl.detach()
                 indexer_loss = att.indexer_loss_coef * kl.mean()
                 loss = loss + indexer_loss

@@ -157,10 +157,10 @@ class _PrefillContext(AttnContext):
         self.decoder = decoder
         self.layer = -1
 
-    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None, layer_key=None):
-        out = super().attend(q_BHSD, k_BKSD, v_BKSD, kind, index=index)
+    def attend_stats(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None, layer_key=None):
+        out, stats = super().attend_stats(q_BHSD, k_BKSD, v_BKSD, kind, index=index)
         self.decoder._record_prefill(self.layer, q_BHSD, k_BKSD, v_BKSD, index)
-        return out
+        return out, stats
 
 
 class _StepContext:
@@ -171,8 +171,8 @@ class _StepContext:
         self.block_size = decoder.block_size
         self.index_rope = index_rope
 
-    def attend(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None, layer_key=None):
-        return self.decoder._attend_step(self.layer, self.index, q_BHSD, k_BKSD, v_BKSD, index)
+    def attend_stats(self, q_BHSD, k_BKSD, v_BKSD, kind, index=None, layer_key=None):
+        return self.decoder._attend_step(self.layer, self.index, q_BHSD, k_BKSD, v_BKSD, index), None
 
 
 class CachedDecoder:
@@ -237,7 +237,7 @@ class CachedDecoder:
         ctx.index_rope = model.index_rope(positions)
         for i, layer in enumerate(model.layers):
             ctx.layer = i
-            x_BSD, _ = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality)
+            x_BSD, _, _ = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality)
         self.length = S
         # the last prompt token is text or a close tag, where t == h == w
         self.next_position = int(positions[0, 0, -1]) + 1
@@ -262,7 +262,7 @@ class CachedDecoder:
         ctx = _StepContext(self, self.length, model.index_rope(positions_B31))
         for i, layer in enumerate(model.layers):
             ctx.layer = i
-            x_B1D, _ = layer(x_B1D, cos, sin, ctx, modality_B1)
+            x_B1D, _, _ = layer(x_B1D, cos, sin, ctx, modality_B1)
         self.length += 1
         self.next_position += 1
         return self._logits(x_B1D)

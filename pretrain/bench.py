@@ -80,8 +80,10 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
                           build_loader=lambda c, split, rank, world: SyntheticLoader(c, rank) if split == "train" else None)
         trainer = Trainer(cfg, progress=False, **kwargs)
         trainer.timer = StepTimer(sync=True)
+        t_warm = time.perf_counter()
         for _ in range(warmup):
             trainer.run_step()
+        warm_s = time.perf_counter() - t_warm  # with train.compile: mostly compiling
         # The reference, forward only without grad on one held batch, is timed between the
         # training steps so both see the same machine load (shared CPUs vary a lot minute to minute).
         ref_batch, ref_layout, _ = trainer._next_batch()
@@ -119,7 +121,9 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
         f"seq {cfg.data.seq_len} x accum {cfg.train.grad_accum_steps}; {steps} timed steps after {warmup} warmup",
         f"  tokens/s: {tps:,.0f} ({tps / world:,.0f} per device)" + (f"; MFU {100 * u:.1f}%" if u is not None else
                                                                     "; MFU omitted (no peak-FLOPs entry, e.g. CPU)"),
-        f"  step time: {1000 * step_s:.1f} ms",
+        f"  step time: {1000 * step_s:.1f} ms" + (f" (the {warmup} warm-up step{'s' if warmup > 1 else ''} took "
+                                                  f"{warm_s:.1f} s{', compile included' if cfg.train.compile else ''})"
+                                                  if warmup else ""),
     ]
     for name in ("data", "forward", "backward", "optimizer"):
         sec = phases.get(name, 0.0) / steps

@@ -150,6 +150,43 @@ def test_activation_checkpointing_reuses_the_kl_target_and_keeps_every_gradient(
             torch.testing.assert_close(grads_b[name], g, msg=name)
 
 
+@pytest.mark.slow
+def test_compiled_checkpointed_b_block_has_no_graph_break():
+    """train.compile with train.activation_checkpointing: a B block with the learned selector
+    compiles whole (its selector statistics leave through the block's outputs, nothing is stored
+    into the shared attention context) and gives the eager model's loss, KL, coverage and
+    gradients. fp32, so the two agree closely. About three minutes of inductor on CPU."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from omniloom.pretrain.parallel import apply_activation_checkpointing, apply_compile
+
+    torch.manual_seed(0)
+    cfg = cfg_for(pattern="B")
+    eager, compiled = OmniModel(cfg), OmniModel(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    assert apply_activation_checkpointing(compiled) == 1 and apply_compile(compiled) == 1
+    batch = random_packed_batch(cfg, batch_size=2, seq_len=96, seed=5)
+    layout = eager.batch_layout(batch["doc_ids"], batch["block_ids"])
+    torch._dynamo.reset()
+    counters.clear()
+    outs = []
+    for model in (eager, compiled):
+        out = model(**_fields(batch), layout=layout)
+        out.loss.backward()
+        outs.append(out)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
+    a, b = outs
+    assert a.indexer_kl is not None and a.indexer_kl.shape == (1,)
+    for name in ("loss", "indexer_kl", "block_coverage"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-6, msg=name)
+    grads = dict(eager.named_parameters())
+    for name, p in compiled.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)
+    assert any(".indexer." in n and p.grad.abs().sum() > 0 for n, p in compiled.named_parameters())
+
+
 def test_dense_warmup_is_g_attention_then_switches():
     torch.manual_seed(0)
     batch = random_packed_batch(cfg_for(), batch_size=2, seq_len=96, seed=2)

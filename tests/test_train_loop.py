@@ -415,6 +415,7 @@ def test_bench_train_prints_throughput_and_breakdown(capsys):
     for phase in ("data", "forward", "backward", "optimizer", "other"):
         assert f"    {phase}" in out, phase
     assert "train step / forward-only =" in out and "dense warm-up" not in out
+    assert "(the 1 warm-up step took " in out and "compile included" not in out
 
 
 def test_bench_train_at_several_sequence_lengths_prints_the_step_time_per_length(capsys):
