@@ -223,3 +223,50 @@ def test_linear_ce_kept_softmax_equals_recomputed():
         grads.append((ce.detach(), hh.grad, ww.grad))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_linear_ce_reuses_logits_buffers_on_cpu_but_never_one_still_in_use():
+    """CPU logits buffers come from a pool (a fresh one costs a page fault per page): a second
+    call reuses the first's buffer, and two forwards whose kept softmax waits for backward get
+    two buffers, with the same results and gradients as with the pool off."""
+    from omniloom.kernels import reference
+
+    pool = reference.LOGITS_POOL
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 12, 16, generator=g)
+    w = torch.randn(40, 16, generator=g)
+    labels = torch.randint(0, 40, (2, 12), generator=g)
+    labels[0, ::4] = -100
+
+    def run(pooled: bool):
+        pool.clear()
+        pool.max_buffers = 2 if pooled else 0
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        taken = []
+        real_take = pool.take
+        pool.take = lambda *a: taken.append(real_take(*a)) or taken[-1]
+        try:
+            # two micro-batches in flight (both forwards before either backward), kept softmax
+            outs = [reference.linear_cross_entropy(hh[i], ww, labels[i], chunk_size=12) for i in range(2)]
+            assert len({t.data_ptr() for t in taken}) == 2  # the second forward did not get the first's buffer
+            for ce, z in reversed(outs):
+                (ce.sum() + 0.1 * z.sum()).backward()
+            # recomputing path (nothing kept): one chunk's buffer serves the next
+            n = len(taken)
+            ce, z = reference.linear_cross_entropy(hh[0], ww, labels[0], chunk_size=4, keep_bytes=0)
+            (ce.sum() + z.sum()).backward()
+            ptrs = [t.data_ptr() for t in taken[n:]]
+        finally:
+            pool.take = real_take
+            pool.max_buffers = 2
+        return [o[0].detach() for o in outs], hh.grad, ww.grad, ptrs
+
+    ces_p, gh_p, gw_p, ptrs_p = run(True)
+    ces_u, gh_u, gw_u, ptrs_u = run(False)
+    assert len(ptrs_p) == 6 and len(set(ptrs_p)) == 1  # 3 chunks forward + 3 backward, one buffer
+    assert len(set(ptrs_u)) == 6  # (`taken` holds them: without the pool every buffer is new)
+    for a, b in zip(ces_p, ces_u):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(gh_p, gh_u, rtol=0, atol=0)
+    torch.testing.assert_close(gw_p, gw_u, rtol=0, atol=0)
+    pool.clear()
