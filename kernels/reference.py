@@ -103,10 +103,11 @@ class LogitsPool:
     and 44 ms into a reused one. CUDA's caching allocator reuses memory by itself; CPU has none.
     A buffer is handed back only when the loss is done with it (at the end of its chunk's forward,
     or after its backward when the forward kept it), so one still in use is never handed out
-    again. At most `max_buffers` are held between steps (the memory a step needs anyway)."""
+    again. Between steps it holds at most `max_buffers` buffers and `max_bytes` in all, the
+    newest first (memory a step needs at its peak anyway)."""
 
-    def __init__(self, max_buffers: int = 2):
-        self.max_buffers = max_buffers
+    def __init__(self, max_buffers: int = 2, max_bytes: int = 2**30):
+        self.max_buffers, self.max_bytes = max_buffers, max_bytes
         self._free: list[torch.Tensor] = []
 
     @staticmethod
@@ -126,6 +127,8 @@ class LogitsPool:
         if self._pooled(t.device) and self.max_buffers > 0:
             self._free.append(t)
             del self._free[:-self.max_buffers]
+            while sum(b.nbytes for b in self._free) > self.max_bytes:
+                self._free.pop(0)
 
     def clear(self) -> None:
         self._free.clear()

@@ -265,6 +265,11 @@ def test_linear_ce_reuses_logits_buffers_on_cpu_but_never_one_still_in_use():
     ces_u, gh_u, gw_u, ptrs_u = run(False)
     assert len(ptrs_p) == 6 and len(set(ptrs_p)) == 1  # 3 chunks forward + 3 backward, one buffer
     assert len(set(ptrs_u)) == 6  # (`taken` holds them: without the pool every buffer is new)
+    small = reference.LogitsPool(max_buffers=2, max_bytes=350)
+    for rows in (10, 5, 20):  # 160, 80 and 320 fp32 bytes: two at most, then the oldest go past 350 bytes
+        small.give(torch.empty(rows, 4))
+    assert [t.shape[0] for t in small._free] == [20]
+    assert small.take(20, 4, torch.float32, torch.device("cpu")).shape == (20, 4) and not small._free
     for a, b in zip(ces_p, ces_u):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(gh_p, gh_u, rtol=0, atol=0)
