@@ -74,7 +74,9 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
             if not cfg.data.tokenizer:
                 model_cfg = dataclasses.replace(model_cfg, vocab_size=model_cfg.vocab_size or _SYNTHETIC_VOCAB,
                                                 patch_token_id=max(model_cfg.patch_token_id, _SYNTHETIC_PATCH_ID))
-            cfg = dataclasses.replace(cfg, model=model_cfg)
+            # the synthetic batches are built in this process: no DataLoader workers to leave
+            # cores for (pretrain/threads.py would otherwise take one thread per worker away)
+            cfg = dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, num_workers=0))
             cfg = B.resolve_model_config(cfg)
             kwargs = dict(build_model=B.build_model,
                           build_loader=lambda c, split, rank, world: SyntheticLoader(c, rank) if split == "train" else None)
@@ -112,11 +114,13 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
         model = trainer.acc.unwrap_model(trainer.model)
         dense_b = bool(trainer.b_layers) and bool(getattr(model, "dense_b_layers", False))
         n_params = sum(p.numel() for p in model.parameters())
+        threads = torch.get_num_threads()
         n_active = model.num_active_params() if hasattr(model, "num_active_params") else n_params
 
     lines = [
         f"bench train: preset={preset} device={trainer.device} world_size={world} "
-        f"data={'synthetic (random PackedBatch; data wait not representative)' if synthetic else 'shards'}",
+        f"data={'synthetic (random PackedBatch; data wait not representative)' if synthetic else 'shards'}"
+        + (f" torch_threads={threads}" if trainer.device.type == "cpu" else ""),
         f"  model: {n_params / 1e6:.2f}M params, {n_active / 1e6:.2f}M active; batch {cfg.data.batch_size} x "
         f"seq {cfg.data.seq_len} x accum {cfg.train.grad_accum_steps}; {steps} timed steps after {warmup} warmup",
         f"  tokens/s: {tps:,.0f} ({tps / world:,.0f} per device)" + (f"; MFU {100 * u:.1f}%" if u is not None else

@@ -416,6 +416,10 @@ def test_bench_train_prints_throughput_and_breakdown(capsys):
         assert f"    {phase}" in out, phase
     assert "train step / forward-only =" in out and "dense warm-up" not in out
     assert "(the 1 warm-up step took " in out and "compile included" not in out
+    # synthetic batches are built in-process: the tiny preset's 2 DataLoader workers take no cores
+    from omniloom.pretrain.threads import choose_threads
+
+    assert f"torch_threads={choose_threads(0, num_workers=0).threads}" in out
 
 
 def test_bench_train_at_several_sequence_lengths_prints_the_step_time_per_length(capsys):
