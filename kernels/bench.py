@@ -60,7 +60,7 @@ def case_at(op: str, s: dict, tokens: int) -> dict:
         s["M"] = tokens
     elif op == "swiglu":
         s["M"] = tokens * 8  # routed rows: 8 experts per token
-    elif op == "apply_rope":
+    elif op in ("apply_rope", "qk_norm_rope"):
         s["S"] = min(tokens, 2048)
         s["B"] = max(1, tokens // s["S"])
     elif op in ("linear_cross_entropy", "moe"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 # ops.py imports torch; the names are spelled here so `omniloom --help` stays fast
-OP_NAMES = ("rms_norm", "swiglu", "apply_rope", "linear_cross_entropy", "moe_permute", "moe_unpermute")
+OP_NAMES = ("rms_norm", "swiglu", "apply_rope", "qk_norm_rope", "linear_cross_entropy", "moe_permute", "moe_unpermute")
 
-BENCH_OPS = ("rms_norm", "swiglu", "apply_rope", "linear_cross_entropy", "moe")
+BENCH_OPS = ("rms_norm", "swiglu", "apply_rope", "qk_norm_rope", "linear_cross_entropy", "moe")
 
 
 def register_bench(bench_sub) -> None:

@@ -180,6 +180,57 @@ def apply_rope(x_BSHD: Tensor, cos_BSd: Tensor, sin_BSd: Tensor) -> Tensor:
     return torch.ops.omniloom.rope(x_BSHD, cos_BSd, sin_BSd, False)
 
 
+# -------------------------------------------------------------------------- QK-norm + RoPE, fused
+
+
+@torch.library.custom_op(f"{LIB}::qk_norm_rope_fwd", mutates_args=())
+def qk_norm_rope_fwd(x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return tnorm.qk_norm_rope_fwd(x, weight, cos, sin, eps)
+
+
+@qk_norm_rope_fwd.register_fake
+def _(x, weight, cos, sin, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{LIB}::qk_norm_rope_bwd", mutates_args=())
+def qk_norm_rope_bwd(dy: Tensor, x: Tensor, weight: Tensor, cos: Tensor, sin: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    return tnorm.qk_norm_rope_bwd(dy, x, weight, cos, sin, rstd)
+
+
+@qk_norm_rope_bwd.register_fake
+def _(dy, x, weight, cos, sin, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _qk_setup(ctx, inputs, output):
+    x, weight, cos, sin, _ = inputs
+    ctx.save_for_backward(x, weight, cos, sin, output[1])
+
+
+def _qk_backward(ctx, dy, _drstd):
+    x, weight, cos, sin, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.omniloom.qk_norm_rope_bwd(dy, x, weight, cos, sin, rstd)
+    return dx, dw, None, None, None
+
+
+qk_norm_rope_fwd.register_autograd(_qk_backward, setup_context=_qk_setup)
+
+
+def qk_norm_rope(x_BSHD: Tensor, weight: Tensor, cos_BSd: Tensor, sin_BSd: Tensor, eps: float = 1e-6) -> Tensor:
+    """apply_rope(rms_norm(x, weight, eps), cos, sin) in one kernel: x [B, S, H, Dh] (a strided
+    view is fine), weight [Dh], cos/sin [B, S, Dh/2] (or [1, S, Dh/2]); fp32 math, x's dtype out."""
+    if x_BSHD.dtype == torch.float64:
+        return reference.qk_norm_rope(x_BSHD, weight, cos_BSd, sin_BSd, eps)
+    if x_BSHD.dim() != 4:
+        raise ValueError(f"qk_norm_rope expects x as [B, S, H, Dh], got {tuple(x_BSHD.shape)}")
+    if cos_BSd.requires_grad or sin_BSd.requires_grad:
+        # angles normally come from positions and need no gradient; the two ops give one when asked
+        return apply_rope(rms_norm(x_BSHD, weight, eps), cos_BSd, sin_BSd)
+    _check_device(x_BSHD, weight, cos_BSd, sin_BSd)
+    return torch.ops.omniloom.qk_norm_rope_fwd(x_BSHD, weight, cos_BSd, sin_BSd, float(eps))[0]
+
+
 # -------------------------------------------------------------------------- linear cross-entropy
 
 
@@ -366,6 +417,7 @@ OPS = {
     "rms_norm": rms_norm,
     "swiglu": swiglu,
     "apply_rope": apply_rope,
+    "qk_norm_rope": qk_norm_rope,
     "linear_cross_entropy": linear_cross_entropy,
     "moe_permute": moe_permute,
     "moe_unpermute": moe_unpermute,

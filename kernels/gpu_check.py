@@ -41,7 +41,7 @@ PLANS = {
                 model_dim=512, seq_len=2048, train_backends=("blocksparse", "flex"), train_steps=5, autocast=True,
                 train_overrides=[]),
     "smoke": dict(device="cpu", parity_tokens=0, bench_tokens=8, check_tokens=4, bench_iters=1,
-                  bench_ops=["rms_norm", "swiglu", "apply_rope", "moe"], ce_tokens=64, ce_vocab=300, ce_dim=16,
+                  bench_ops=["rms_norm", "swiglu", "apply_rope", "qk_norm_rope", "moe"], ce_tokens=64, ce_vocab=300, ce_dim=16,
                   attn_seq=256, attn_seq_lens=[256], attn_iters=1, sdpa_max=256, dtypes=("float32",), model_dim=64, seq_len=128,
                   train_backends=("blocksparse",), train_steps=1, autocast=False,
                   train_overrides=["data.seq_len=64", "data.batch_size=1", "model.dim=32", "model.num_layers=2",

@@ -29,6 +29,8 @@ TINY_CASES: list[tuple[str, dict]] = [
     ("swiglu", dict(M=3, N=1100)),
     ("apply_rope", dict(B=2, S=5, H=3, Dh=10)),
     ("apply_rope", dict(B=1, S=3, H=17, Dh=6)),
+    ("qk_norm_rope", dict(B=2, S=5, H=3, Dh=10)),
+    ("qk_norm_rope", dict(B=1, S=7, H=17, Dh=6)),
     ("linear_cross_entropy", dict(T=13, D=16, V=70, chunk=5)),
     ("linear_cross_entropy", dict(T=9, D=8, V=2100, chunk=4)),
     ("moe", dict(T=11, D=20, E=5, K=3)),
@@ -41,6 +43,7 @@ MODEL_CASES: list[tuple[str, dict]] = [
     ("rms_norm", dict(M=8192, D=2048)),
     ("swiglu", dict(M=8192 * 8, N=1024)),
     ("apply_rope", dict(B=4, S=2048, H=16, Dh=128)),
+    ("qk_norm_rope", dict(B=4, S=2048, H=16, Dh=128)),
     ("linear_cross_entropy", dict(T=8192, D=2048, V=65536, chunk=4096)),
     ("moe", dict(T=8192, D=2048, E=64, K=8)),
 ]
@@ -96,6 +99,11 @@ def make_inputs(op: str, s: dict, dtype: torch.dtype, device, seed: int = 0) -> 
         ang = torch.rand(B, S, Dh // 2, generator=g) * 6.0
         # q sliced out of a fused qkv projection: a non-contiguous [B, S, H, Dh] view
         return dict(qkv=rnd(B, S, 3 * H * Dh), cos=ang.cos().to(device, dtype), sin=ang.sin().to(device, dtype))
+    if op == "qk_norm_rope":
+        B, S, H, Dh = s["B"], s["S"], s["H"], s["Dh"]
+        ang = torch.rand(B, S, Dh // 2, generator=g) * 6.0
+        return dict(qkv=rnd(B, S, 3 * H * Dh), weight=(1 + rnd(Dh, scale=0.1, grad=False)).requires_grad_(),
+                    cos=ang.cos().to(device, dtype), sin=ang.sin().to(device, dtype))
     if op == "linear_cross_entropy":
         T, D, V = s["T"], s["D"], s["V"]
         labels = torch.randint(0, V, (T,), generator=g)
@@ -124,6 +132,10 @@ def forward(op: str, ops, inp: dict, s: dict) -> dict:
         H, Dh = s["H"], s["Dh"]
         q = inp["qkv"][..., : H * Dh].unflatten(-1, (H, Dh))
         return dict(y=ops.apply_rope(q, inp["cos"], inp["sin"]))
+    if op == "qk_norm_rope":
+        H, Dh = s["H"], s["Dh"]
+        q = inp["qkv"][..., : H * Dh].unflatten(-1, (H, Dh))
+        return dict(y=ops.qk_norm_rope(q, inp["weight"], inp["cos"], inp["sin"], 1e-6))
     if op == "linear_cross_entropy":
         ce, z = ops.linear_cross_entropy(inp["h"], inp["weight"], inp["labels"], chunk_size=s["chunk"])
         return dict(ce=ce, z=z)

@@ -34,6 +34,14 @@ def apply_rope(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tenso
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BSHD.dtype)
 
 
+def qk_norm_rope(x_BSHD: torch.Tensor, weight: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor,
+                 eps: float = 1e-6) -> torch.Tensor:
+    """QK-norm (RMSNorm over the head dim, per-channel `weight` [Dh]) then the rotary embedding:
+    apply_rope(rms_norm(x, weight, eps), cos, sin). One op so that the Triton backend can fuse
+    them (one read and one write of q or k instead of two)."""
+    return apply_rope(rms_norm(x_BSHD, weight, eps), cos_BSd, sin_BSd)
+
+
 def linear_cross_entropy(
     h_TD: torch.Tensor,
     weight_VD: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Triton kernels for the row-wise and element-wise ops: RMSNorm, SwiGLU, rotary embedding.
+"""Triton kernels for the row-wise and element-wise ops: RMSNorm, SwiGLU, rotary embedding, and
+QK-norm fused with rotary embedding.
 
 Imported only by `omniloom.kernels.custom_ops` (the model never imports Triton). Every launcher
 takes and returns torch tensors and does no autograd; math is fp32 inside the kernels, results in
@@ -245,3 +246,136 @@ def rope_apply(x_BSHD: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tenso
             SIGN=-1.0 if inverse else 1.0, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
         )
     return out
+
+
+# ---------------------------------------------------------------------------- QK-norm + RoPE, fused
+
+
+@triton.jit
+def _qk_norm_rope_fwd_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, o_ptr, rstd_ptr, S, H, d, eps,
+    sxb, sxs, sxh, scb, scs, ssb, sss,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program: one token (b, s) and BLOCK_H heads. Each head's row of Dh = 2d is normalised
+    # (RMSNorm over Dh, per-channel weight) and rotated by the token's angles in registers: one
+    # read of x and one write of the output, where QK-norm then RoPE read and write twice.
+    bs = tl.program_id(0).to(tl.int64)
+    b = bs // S
+    s = bs % S
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < d
+    hmask = heads < H
+    mask = hmask[:, None] & cmask[None, :]
+    xoff = x_ptr + b * sxb + s * sxs + heads[:, None] * sxh + cols[None, :]
+    x1 = tl.load(xoff, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xoff + d, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * d) + eps)  # [BLOCK_H]
+    w1 = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + d + cols, mask=cmask, other=0.0).to(tl.float32)
+    y1 = x1 * rstd[:, None] * w1[None, :]
+    y2 = x2 * rstd[:, None] * w2[None, :]
+    cos = tl.load(cos_ptr + b * scb + s * scs + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + b * ssb + s * sss + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    ooff = o_ptr + bs * H * 2 * d + heads[:, None] * 2 * d + cols[None, :]  # output [B, S, H, Dh] contiguous
+    tl.store(ooff, (y1 * cos - y2 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(ooff + d, (y2 * cos + y1 * sin).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + bs * H + heads, rstd, mask=hmask)
+
+
+@triton.jit
+def _qk_norm_rope_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, rstd_ptr, dx_ptr, dw_part_ptr, M, S, H, d, tokens_per_prog,
+    sdb, sds, sdh, sxb, sxs, sxh, scb, scs, ssb, sss,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Each program walks a contiguous run of tokens, every head of each at once, and keeps its
+    # share of the weight's gradient in registers (one [programs, Dh] fp32 buffer, no atomics).
+    # The rotation is orthogonal: its gradient is the opposite rotation, undone first; then the
+    # RMSNorm backward per head row.
+    pid = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < d
+    mask = (heads[:, None] < H) & cmask[None, :]
+    w1 = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + d + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    dw1 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    start = pid * tokens_per_prog  # int32: fewer than 2**31 tokens
+    n = tl.minimum(start + tokens_per_prog, M) - start
+    for i in range(0, n):
+        t = start.to(tl.int64) + i
+        b = t // S
+        s = t % S
+        cos = tl.load(cos_ptr + b * scb + s * scs + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        sin = tl.load(sin_ptr + b * ssb + s * sss + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        doff = dy_ptr + b * sdb + s * sds + heads[:, None] * sdh + cols[None, :]
+        do1 = tl.load(doff, mask=mask, other=0.0).to(tl.float32)
+        do2 = tl.load(doff + d, mask=mask, other=0.0).to(tl.float32)
+        g1 = do1 * cos + do2 * sin  # gradient w.r.t. the normalised row (inverse rotation)
+        g2 = do2 * cos - do1 * sin
+        xoff = x_ptr + b * sxb + s * sxs + heads[:, None] * sxh + cols[None, :]
+        rstd = tl.load(rstd_ptr + t * H + heads, mask=heads < H, other=0.0)[:, None]
+        xh1 = tl.load(xoff, mask=mask, other=0.0).to(tl.float32) * rstd
+        xh2 = tl.load(xoff + d, mask=mask, other=0.0).to(tl.float32) * rstd
+        gw1 = g1 * w1
+        gw2 = g2 * w2
+        mean = (tl.sum(gw1 * xh1, axis=1) + tl.sum(gw2 * xh2, axis=1))[:, None] / (2 * d)
+        dxoff = dx_ptr + t * H * 2 * d + heads[:, None] * 2 * d + cols[None, :]  # dx [B, S, H, Dh] contiguous
+        tl.store(dxoff, (rstd * (gw1 - xh1 * mean)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dxoff + d, (rstd * (gw2 - xh2 * mean)).to(dx_ptr.dtype.element_ty), mask=mask)
+        dw1 += tl.sum(g1 * xh1, axis=0)
+        dw2 += tl.sum(g2 * xh2, axis=0)
+    tl.store(dw_part_ptr + pid * 2 * d + cols, dw1, mask=cmask)
+    tl.store(dw_part_ptr + pid * 2 * d + d + cols, dw2, mask=cmask)
+
+
+def _qk_shapes(x_BSHD: torch.Tensor, weight: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor):
+    B, S, H, Dh = x_BSHD.shape
+    if Dh % 2:
+        raise ValueError(f"qk_norm_rope needs an even head dim, got {Dh}")
+    if weight.shape != (Dh,):
+        raise ValueError(f"qk_norm_rope weight must be [{Dh}] (the head dim), got {tuple(weight.shape)}")
+    d = Dh // 2
+    return B, S, H, d, _per_token(cos_BSd, B, S, d), _per_token(sin_BSd, B, S, d)
+
+
+def qk_norm_rope_fwd(x_BSHD: torch.Tensor, weight: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope(rms_norm(x, weight, eps), cos, sin) in one pass, fp32 math, output in x's dtype
+    ([B, S, H, Dh] contiguous); also rstd [B, S, H] fp32. x may be a strided view with a unit
+    last stride (q or k sliced out of a fused projection)."""
+    B, S, H, d, cos, sin = _qk_shapes(x_BSHD, weight, cos_BSd, sin_BSd)
+    x = x_BSHD if x_BSHD.stride(-1) == 1 else x_BSHD.contiguous()
+    out = torch.empty((B, S, H, 2 * d), dtype=x.dtype, device=x.device)
+    rstd = torch.empty((B, S, H), dtype=torch.float32, device=x.device)
+    if out.numel():
+        block_h = min(16, triton.next_power_of_2(H))
+        _qk_norm_rope_fwd_kernel[(B * S, triton.cdiv(H, block_h))](
+            x, weight.contiguous(), cos, sin, out, rstd, S, H, d, eps,
+            x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+            BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+        )
+    return out, rstd
+
+
+def qk_norm_rope_bwd(dy: torch.Tensor, x_BSHD: torch.Tensor, weight: torch.Tensor, cos_BSd: torch.Tensor,
+                     sin_BSd: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients (dx [B, S, H, Dh] in x's dtype, dweight in weight's dtype) of qk_norm_rope_fwd."""
+    B, S, H, d, cos, sin = _qk_shapes(x_BSHD, weight, cos_BSd, sin_BSd)
+    x = x_BSHD if x_BSHD.stride(-1) == 1 else x_BSHD.contiguous()
+    dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+    M = B * S
+    dx = torch.empty((B, S, H, 2 * d), dtype=x.dtype, device=x.device)
+    progs = _num_programs(M, x.device)
+    dw_part = torch.zeros((progs, 2 * d), dtype=torch.float32, device=x.device)
+    if dx.numel():
+        _qk_norm_rope_bwd_kernel[(progs,)](
+            dy, x, weight.contiguous(), cos, sin, rstd.contiguous(), dx, dw_part, M, S, H, d, triton.cdiv(M, progs),
+            dy.stride(0), dy.stride(1), dy.stride(2), x.stride(0), x.stride(1), x.stride(2),
+            cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+            BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+        )
+    return dx, dw_part.sum(0).to(weight.dtype)

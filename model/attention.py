@@ -593,11 +593,13 @@ class Attention(nn.Module):
         k = k.view(B, S, self.num_kv_heads, self.head_dim)
         v = v.view(B, S, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            # QK-norm bounds attention logits: the main fix for multimodal logit growth (Chameleon)
-            q = self.ops.rms_norm(q, self.q_norm, self.eps)
-            k = self.ops.rms_norm(k, self.k_norm, self.eps)
-        q = self.ops.apply_rope(q, cos_BSd, sin_BSd)
-        k = self.ops.apply_rope(k, cos_BSd, sin_BSd)
+            # QK-norm bounds attention logits: the main fix for multimodal logit growth (Chameleon);
+            # then RoPE, in one pass over q and k with the Triton backend
+            q = self.ops.qk_norm_rope(q, self.q_norm, cos_BSd, sin_BSd, self.eps)
+            k = self.ops.qk_norm_rope(k, self.k_norm, cos_BSd, sin_BSd, self.eps)
+        else:
+            q = self.ops.apply_rope(q, cos_BSd, sin_BSd)
+            k = self.ops.apply_rope(k, cos_BSd, sin_BSd)
         index = self.indexer(x_BSD.detach(), ctx.block_size, ctx.index_rope) if self.indexer is not None else None
         out_BHSD, stats = ctx.attend_stats(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.kind,
                                            index=index, layer_key=id(self))

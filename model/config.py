@@ -117,7 +117,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     z_loss_coef: float = 1e-5
     init_std: float = 0.02
-    kernels: Literal["auto", "reference", "triton"] = "auto"
+    kernels: Literal["auto", "reference", "triton", "compiled"] = "auto"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 

@@ -11,6 +11,7 @@ both). Needs `transformers` (an optional bench dependency: `pip install transfor
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import time
 
@@ -19,14 +20,14 @@ EQUAL_MATH = dict(dim=256, layers=4, heads=8, kv_heads=2, experts=16, top_k=2, e
 EQUAL_MATH_GPU = dict(dim=1024, layers=8, heads=16, kv_heads=4, experts=32, top_k=4, expert_dim=512, vocab=32768)
 
 
-def _omni_model(shape: dict, pattern: str, backend: str):
+def _omni_model(shape: dict, pattern: str, backend: str, kernels: str = "auto"):
     from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
     from omniloom.model.decoder import OmniModel
 
     head_dim = shape["dim"] // shape["heads"]
     cfg = ModelConfig(
         dim=shape["dim"], num_layers=shape["layers"], num_heads=shape["heads"], num_kv_heads=shape["kv_heads"],
-        vocab_size=shape["vocab"], rope_sections=(head_dim // 2, head_dim // 4, head_dim // 4),
+        vocab_size=shape["vocab"], rope_sections=(head_dim // 2, head_dim // 4, head_dim // 4), kernels=kernels,
         attention=AttentionConfig(backend=backend, pattern=pattern),
         moe=MoEConfig(num_experts=shape["experts"], num_experts_per_token=shape["top_k"], expert_dim=shape["expert_dim"],
                       num_shared_experts=0, num_dense_layers=0, score_func="softmax"),
@@ -90,10 +91,10 @@ def _omni_batch(batch_size: int, seq_len: int, vocab: int, seed: int):
 
 
 def bench_hf(*, cases: list[tuple[int, int]], patterns: list[str], backend: str, steps: int, warmup: int,
-             shape: dict | None = None, device: str = "cpu") -> list[dict]:
-    """For each (seq_len, batch) and omniloom pattern: median step seconds of both models over
-    `steps` interleaved steps after `warmup` (on CUDA: bf16 autocast, synchronized timings).
-    Returns one dict per row."""
+             shape: dict | None = None, device: str = "cpu", kernels: tuple[str, ...] = ("auto",)) -> list[dict]:
+    """For each (seq_len, batch), omniloom pattern and kernels mode (`model.kernels`): median
+    step seconds of both models over `steps` interleaved steps after `warmup` (on CUDA: bf16
+    autocast, synchronized timings). Returns one dict per row."""
     import contextlib
 
     import torch
@@ -110,11 +111,12 @@ def bench_hf(*, cases: list[tuple[int, int]], patterns: list[str], backend: str,
         fields, ids = _omni_batch(batch, seq_len, shape["vocab"], seed=seq_len)
         omnis = []
         for pattern in patterns:
-            torch.manual_seed(0)
-            m = _omni_model(shape, pattern, backend)
-            m.to(dev).train()
-            layout = m.batch_layout(fields["doc_ids"], fields["block_ids"])  # on the host copy
-            omnis.append((pattern, m, torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), layout))
+            for mode in kernels:
+                torch.manual_seed(0)
+                m = _omni_model(shape, pattern, backend, mode)
+                m.to(dev).train()
+                layout = m.batch_layout(fields["doc_ids"], fields["block_ids"])  # on the host copy
+                omnis.append(((pattern, mode), m, torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True), layout))
         fields = {k: v.to(dev) for k, v in fields.items()}
         ids = ids.to(dev)
 
@@ -145,9 +147,9 @@ def bench_hf(*, cases: list[tuple[int, int]], patterns: list[str], backend: str,
                 if i >= warmup:
                     times[name].append(time.perf_counter() - t0)
         hf_s = statistics.median(times["hf"])
-        for pattern, *_ in omnis:
-            om_s = statistics.median(times[pattern])
-            rows.append(dict(seq_len=seq_len, batch=batch, pattern=pattern, omni_s=om_s, hf_s=hf_s, hf_impl=impl,
+        for (pattern, mode), *_ in omnis:
+            om_s = statistics.median(times[(pattern, mode)])
+            rows.append(dict(seq_len=seq_len, batch=batch, pattern=pattern, kernels=mode, omni_s=om_s, hf_s=hf_s, hf_impl=impl,
                              speedup=hf_s / om_s, omni_tps=seq_len * batch / om_s, hf_tps=seq_len * batch / hf_s))
         del hf, omnis
     return rows
@@ -169,6 +171,10 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--cases", default="1024x2,4096x1", help="comma-separated SEQxBATCH rows")
     p.add_argument("--patterns", default="GGGG,LLLG", help="omniloom attention patterns to time")
     p.add_argument("--backend", default="blocksparse", help="omniloom attention backend (CPU: blocksparse or sdpa)")
+    p.add_argument("--kernels", default="auto,compiled",
+                   help="omniloom model.kernels modes to time, comma-separated: auto (on CPU the plain PyTorch "
+                        "references), compiled (the element-wise ops under torch.compile; its first step compiles, "
+                        "in the untimed warm-up), reference, triton"),
     p.add_argument("--steps", type=int, default=4, help="timed steps per model (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.set_defaults(func=_run)
@@ -189,9 +195,14 @@ def _run(args) -> int:
     patterns = [p for p in args.patterns.split(",") if p]
     print(f"equal math vs Hugging Face Qwen3-MoE (transformers {transformers.__version__}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, omniloom backend {args.backend}; {args.steps} timed steps after {args.warmup}")
-    rows = bench_hf(cases=cases, patterns=patterns, backend=args.backend, steps=args.steps, warmup=args.warmup)
-    print(f"{'seq x batch':>12} {'pattern':>8} {'omniloom s':>11} {'HF s':>8} {'HF experts':>11} {'speedup':>8}")
+    kernels = tuple(k for k in args.kernels.split(",") if k)
+    if args.warmup < 1 and "compiled" in kernels:
+        print("--kernels compiled needs --warmup >= 1 (its first step compiles)", file=sys.stderr)
+        return 2
+    rows = bench_hf(cases=cases, patterns=patterns, backend=args.backend, steps=args.steps, warmup=args.warmup,
+                    kernels=kernels)
+    print(f"{'seq x batch':>12} {'pattern':>8} {'kernels':>9} {'omniloom s':>11} {'HF s':>8} {'HF experts':>11} {'speedup':>8}")
     for r in rows:
-        print(f"{r['seq_len']:>7} x {r['batch']:<2} {r['pattern']:>8} {r['omni_s']:>11.3f} {r['hf_s']:>8.3f} "
+        print(f"{r['seq_len']:>7} x {r['batch']:<2} {r['pattern']:>8} {r['kernels']:>9} {r['omni_s']:>11.3f} {r['hf_s']:>8.3f} "
               f"{r['hf_impl']:>11} {r['speedup']:>7.2f}x")
     return 0

@@ -31,8 +31,59 @@ def test_auto_dispatch_sends_cpu_tensors_to_the_reference():
 
 
 def test_get_ops_rejects_unknown_mode():
-    with pytest.raises(ValueError, match="auto, reference or triton"):
+    with pytest.raises(ValueError, match="auto, reference, triton or compiled"):
         get_ops("cuda")  # type: ignore[arg-type]
+
+
+def test_compiled_mode_compiles_the_elementwise_ops_and_keeps_the_rest(monkeypatch):
+    from omniloom.kernels import ops as ops_mod
+
+    monkeypatch.setattr(ops_mod, "_COMPILED", None)
+    monkeypatch.setattr(ops_mod, "cpp_compiler", lambda: None)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a C[+][+] compiler on CPU.*kernels='reference'"):
+            get_ops("compiled")
+    monkeypatch.setattr(ops_mod, "cpp_compiler", lambda: "g++")
+    c = get_ops("compiled")
+    assert c.name == "compiled" and get_ops("compiled") is c  # built once per process
+    for n in OP_NAMES:
+        fn = getattr(c, n)
+        if n in ops_mod.COMPILED_OPS:  # a torch.compile wrapper around the reference (compiles lazily)
+            assert fn is not getattr(reference, n) and getattr(fn, "_torchdynamo_orig_callable", None) is getattr(reference, n), n
+        else:
+            assert fn is getattr(reference, n), n
+
+
+@pytest.mark.slow
+def test_compiled_kernels_train_like_the_reference():
+    """kernels=compiled (inductor on CPU, seconds per op) gives the reference's loss and
+    gradients on a multimodal MoE step, QK-norm and RoPE fused in one compiled op."""
+    from omniloom.kernels.ops import cpp_compiler
+    from omniloom.model import OmniModel
+    from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
+    from omniloom.model.synthetic import random_packed_batch
+
+    if cpp_compiler() is None:
+        pytest.skip("no C++ compiler for torch.compile on CPU")
+    cfgs = [ModelConfig(dim=32, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=300, patch_token_id=290,
+                        rope_sections=(2, 2, 4), patch_dim=12, tubelet_dim=24, kernels=k,
+                        attention=AttentionConfig(backend="blocksparse", pattern="LG", window=16, block_size=8),
+                        moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=16, num_dense_layers=0))
+            for k in ("reference", "compiled")]
+    torch.manual_seed(0)
+    ref, comp = OmniModel(cfgs[0]), OmniModel(cfgs[1])
+    comp.load_state_dict(ref.state_dict())
+    assert comp.ops.name == "compiled"
+    batch = random_packed_batch(cfgs[0], batch_size=2, seq_len=64, seed=4)
+    outs = []
+    for m in (ref, comp):
+        out = m(**batch)
+        out.loss.backward()
+        outs.append(out.loss.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    grads = dict(ref.named_parameters())
+    for name, p in comp.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1", reason="needs a CPU-only run")
@@ -78,6 +129,10 @@ class _Float64Ops:
     @staticmethod
     def apply_rope(x, cos, sin):
         return _rope64(x, cos, sin)
+
+    @staticmethod
+    def qk_norm_rope(x, w, cos, sin, eps):
+        return _rope64(_rms64(x, w, eps), cos, sin)
 
     @staticmethod
     def linear_cross_entropy(h, w, labels, *, ignore_index=-100, chunk_size=0):

@@ -80,6 +80,22 @@ def _edge_rope_broadcast_batch(fast, ref, torch):
     torch.testing.assert_close(y, y_r)
 
 
+def _edge_qk_norm_rope_broadcast_batch_and_angle_grads(fast, ref, torch):
+    # cos/sin shared by the batch ([1, S, d]), and angles that ask for a gradient (the fused
+    # kernel gives none: it falls back to RMSNorm then RoPE)
+    x = torch.randn(3, 4, 2, 8, requires_grad=True)
+    w = torch.rand(8, requires_grad=True)
+    ang = torch.rand(1, 4, 4)
+    y = fast.qk_norm_rope(x, w, ang.cos(), ang.sin(), 1e-6)
+    y_r = ref.qk_norm_rope(x, w, ang.cos().expand(3, 4, 4), ang.sin().expand(3, 4, 4), 1e-6)
+    torch.testing.assert_close(y, y_r)
+    cos, sin = ang.cos().requires_grad_(), ang.sin().requires_grad_()
+    g = torch.autograd.grad(fast.qk_norm_rope(x, w, cos, sin, 1e-6).sum(), (x, w, cos, sin))
+    g_r = torch.autograd.grad(ref.qk_norm_rope(x, w, cos, sin, 1e-6).sum(), (x, w, cos, sin))
+    for a, b in zip(g, g_r):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def _edge_moe_empty_expert_and_stability(fast, ref, torch):
     topk = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 0]])  # expert 2 gets nothing, ties everywhere
     x = torch.randn(4, 5)
@@ -100,6 +116,8 @@ def _edge_opcheck(fast, ref, torch):
     torch.library.opcheck(ops.swiglu_fwd, (torch.randn(4, 9, requires_grad=True), torch.randn(4, 9)), test_utils=tests)
     cs = torch.rand(2, 3, 4)
     torch.library.opcheck(ops.rope, (torch.randn(2, 3, 2, 8, requires_grad=True), cs, cs, False), test_utils=tests)
+    torch.library.opcheck(ops.qk_norm_rope_fwd, (torch.randn(2, 3, 2, 8, requires_grad=True), torch.rand(8, requires_grad=True),
+                                                 cs, cs, 1e-6), test_utils=tests)
     h, w, lab = torch.randn(5, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True), torch.randint(0, 20, (5,))
     torch.library.opcheck(ops.linear_ce_fwd, (h, w, lab, -100, 2), test_utils=tests)
     topk = torch.randint(0, 4, (6, 2))
@@ -110,13 +128,15 @@ def _edge_opcheck(fast, ref, torch):
 
 def _edge_compile_fullgraph(fast, ref, torch):
     # the ops are opaque to torch.compile: one graph, no breaks, same values and gradients
-    def f(x, w, g, u, h, W, labels):
+    def f(x, w, g, u, h, W, q, labels, cos, sin):
         ce, z = fast.linear_cross_entropy(h, W, labels, chunk_size=3)
-        return fast.rms_norm(x, w, 1e-6).sum() + fast.swiglu(g, u).sum() + ce.sum() + z.mean()
+        return (fast.rms_norm(x, w, 1e-6).sum() + fast.swiglu(g, u).sum() + ce.sum() + z.mean()
+                + fast.qk_norm_rope(q, w[:8], cos, sin, 1e-6).square().sum())
 
+    ang = torch.rand(2, 3, 4)
     args = [torch.randn(4, 16), torch.ones(16), torch.randn(3, 5), torch.randn(3, 5), torch.randn(5, 8),
-            torch.randn(11, 8), torch.tensor([1, 2, -100, 10, 0])]
-    leaves = [a.requires_grad_() for a in args[:6]]
+            torch.randn(11, 8), torch.randn(2, 3, 2, 8), torch.tensor([1, 2, -100, 10, 0]), ang.cos(), ang.sin()]
+    leaves = [a.requires_grad_() for a in args[:7]]
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     got, want = compiled(*args), f(*args)
     torch.testing.assert_close(got, want)
@@ -164,6 +184,7 @@ _EDGE_CHECKS = {
     "bad_label": _edge_bad_label,
     "ce_only_z_unused": _edge_ce_only_z_unused,
     "rope_broadcast_batch": _edge_rope_broadcast_batch,
+    "qk_norm_rope_broadcast_batch_and_angle_grads": _edge_qk_norm_rope_broadcast_batch_and_angle_grads,
     "moe_empty_expert_and_stability": _edge_moe_empty_expert_and_stability,
     "opcheck": _edge_opcheck,
     "compile_fullgraph": _edge_compile_fullgraph,
