@@ -34,6 +34,10 @@ ROWS: list[tuple[str, list[str], int, str]] = [
      "issue 17: B and L against G at 8k-64k, forward + backward (target B, L >= 5x faster than G at 64k)"),
     ("kernels", [*CLI, "bench", "kernels", "--compile", "--skip-ce-memory", "--no-memory"], 150,
      "issue 13: every Triton kernel against eager (target >= 1.3x) and against torch.compile of its reference"),
+    ("large_1b_compiled_kernels", [*CLI, "bench", "train", "--steps", "5", "--warmup", "2", "large_1b",
+                                   "model.vocab_size=32768", "train.grad_accum_steps=1", "model.kernels=compiled"], 140,
+     "issue 13: the first row with the element-wise ops under torch.compile instead of Triton "
+     "(model.kernels=compiled): which is faster for a whole step"),
     ("long_64k", [*CLI, "bench", "train", "--steps", "2", "--warmup", "1", "--seq-lens", "8192,16384,32768,65536",
                   "long_64k", "model.attention.dense_warmup_steps=0", "train.compile=false", "train.grad_accum_steps=1"], 150,
      "issue 17: long_64k training steps with sparse B layers at 8k-64k tokens, step time per doubling "
