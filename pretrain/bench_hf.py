@@ -11,8 +11,8 @@ both). Needs `transformers` (an optional bench dependency: `pip install transfor
 from __future__ import annotations
 
 import argparse
-import sys
 import statistics
+import sys
 import time
 
 EQUAL_MATH = dict(dim=256, layers=4, heads=8, kv_heads=2, experts=16, top_k=2, expert_dim=256, vocab=8192)
