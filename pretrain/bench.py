@@ -115,6 +115,7 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
         dense_b = bool(trainer.b_layers) and bool(getattr(model, "dense_b_layers", False))
         n_params = sum(p.numel() for p in model.parameters())
         threads = torch.get_num_threads()
+        compiling = cfg.train.compile or cfg.model.kernels == "compiled"
         n_active = model.num_active_params() if hasattr(model, "num_active_params") else n_params
 
     lines = [
@@ -126,7 +127,7 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
         f"  tokens/s: {tps:,.0f} ({tps / world:,.0f} per device)" + (f"; MFU {100 * u:.1f}%" if u is not None else
                                                                     "; MFU omitted (no peak-FLOPs entry, e.g. CPU)"),
         f"  step time: {1000 * step_s:.1f} ms" + (f" (the {warmup} warm-up step{'s' if warmup > 1 else ''} took "
-                                                  f"{warm_s:.1f} s{', compile included' if cfg.train.compile else ''})"
+                                                  f"{warm_s:.1f} s{', compile included' if compiling else ''})"
                                                   if warmup else ""),
     ]
     for name in ("data", "forward", "backward", "optimizer"):
