@@ -196,6 +196,15 @@ def _run(args) -> int:
     print(f"equal math vs Hugging Face Qwen3-MoE (transformers {transformers.__version__}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, omniloom backend {args.backend}; {args.steps} timed steps after {args.warmup}")
     kernels = tuple(k for k in args.kernels.split(",") if k)
+    if "compiled" in kernels and not torch.cuda.is_available():
+        from omniloom.kernels.ops import cpp_compiler
+
+        if cpp_compiler() is None:  # the default asks for it: time the rest rather than fail
+            print("--kernels compiled skipped: torch.compile on CPU needs a C++ compiler (install g++ or set CXX)")
+            kernels = tuple(k for k in kernels if k != "compiled")
+    if not kernels:
+        print("--kernels: no mode left to time", file=sys.stderr)
+        return 2
     if args.warmup < 1 and "compiled" in kernels:
         print("--kernels compiled needs --warmup >= 1 (its first step compiles)", file=sys.stderr)
         return 2
