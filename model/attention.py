@@ -195,6 +195,30 @@ def flex_slot_bucket(slots: int, num_blocks: int) -> int:
     return min(num_blocks, 1 << max(0, int(slots) - 1).bit_length())
 
 
+_FLEX_PARTIAL_KV_INDICES = None
+
+
+def flex_partial_kv_indices() -> bool:
+    """Whether this torch's `BlockMask.from_kv_blocks` takes key-block indices with fewer slots
+    than there are key blocks. Older torch (2.11, the H200 image's, among them) derives the
+    query-side blocks the backward walks by scattering into a [Q, slots + 1] buffer indexed by block
+    id, so any id at or past the slot count writes out of bounds (an IndexError on CPU, a device
+    assert or a silently wrong mask on CUDA); torch that passes the column count to
+    `_ordered_to_dense` does not. Unknown internals count as "no": full width is right on every
+    version."""
+    global _FLEX_PARTIAL_KV_INDICES
+    if _FLEX_PARTIAL_KV_INDICES is None:
+        import inspect
+
+        try:
+            from torch.nn.attention import flex_attention as fa
+
+            _FLEX_PARTIAL_KV_INDICES = "num_cols" in inspect.signature(fa._ordered_to_dense).parameters
+        except (ImportError, AttributeError, TypeError, ValueError):
+            _FLEX_PARTIAL_KV_INDICES = False
+    return _FLEX_PARTIAL_KV_INDICES
+
+
 _FLEX_COMPILED = None
 FLEX_RECOMPILE_LIMIT = 64  # (layer kind x shape) variants one process may compile
 
@@ -525,11 +549,14 @@ class AttnContext:
         compiled flex kernel is specialised to the index tensor's shape, and the bound moves
         with each batch's documents and visual blocks (17, 33, 49, ... at long_64k), which would
         recompile it for each new value. The extra slots are past each row's count, which flex
-        never reads."""
+        never reads. Where this torch needs the indices at full width (flex_partial_kv_indices),
+        N is the block count: one shape for every batch, the same kernel work (flex walks each
+        row's count only), Q x Q int32 indices per head."""
         from torch.nn.attention.flex_attention import BlockMask
 
         info = self.info
-        kv_idx, valid = selected_block_slots(info, sel, flex_slot_bucket(self.layout.slots["B"], info.num_blocks))  # [B, K, Q, N]
+        slots = flex_slot_bucket(self.layout.slots["B"], info.num_blocks) if flex_partial_kv_indices() else info.num_blocks
+        kv_idx, valid = selected_block_slots(info, sel, slots)  # [B, K, Q, N]
         G = H // kv_idx.shape[1]
         num = valid.sum(-1).to(torch.int32).repeat_interleave(G, dim=1)
         idx = kv_idx.to(torch.int32).repeat_interleave(G, dim=1).contiguous()

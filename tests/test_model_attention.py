@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -258,6 +259,8 @@ def test_flex_b_layer_block_mask_pads_its_slots_to_a_power_of_two_and_means_the_
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     assert [attention_mod.flex_slot_bucket(n, 512) for n in (1, 3, 16, 17, 33, 49, 65, 512)] == [1, 4, 16, 32, 64, 64, 128, 512]
     assert attention_mod.flex_slot_bucket(17, 20) == 20
+    if not attention_mod.flex_partial_kv_indices():
+        pytest.skip("this torch's BlockMask.from_kv_blocks needs full-width indices (the next test covers that path)")
     doc, blk = batch_fields(seq_len=96)
     info = build_mask_info(doc, blk, block_size=4, window=12)
     g = torch.Generator().manual_seed(4)
@@ -283,6 +286,32 @@ def test_flex_b_layer_block_mask_pads_its_slots_to_a_power_of_two_and_means_the_
         torch.testing.assert_close(padded.q_num_blocks, plain.q_num_blocks)
         torch.testing.assert_close(padded.q_indices, plain.q_indices)
     assert any(grew)
+
+
+def test_flex_b_layer_block_mask_at_full_width_means_the_same(monkeypatch):
+    """Where torch's from_kv_blocks needs key-block indices at full width (torch 2.11: its
+    query-side transpose indexes a [Q, slots + 1] buffer by block id), a flex B layer builds them
+    with one slot per key block. The BlockMask then holds exactly the selection's block union,
+    on the key side and on the query side the backward walks, checked against the union itself."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    monkeypatch.setattr(attention_mod, "flex_partial_kv_indices", lambda: False)
+    doc, blk = batch_fields(seq_len=96)
+    info = build_mask_info(doc, blk, block_size=4, window=12)
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 96, 8, generator=g), torch.randn(2, 2, 96, 8, generator=g)
+    H, nb = q.shape[1], info.num_blocks
+    for num_selected in (2, 5):
+        ctx = AttnContext(info, "sdpa", num_selected, q.device)
+        sel = ctx.select(q, k)
+        bm = ctx._flex_selected(sel, ctx._flex_mask_mod("B", sel, 2), H)
+        assert bm.kv_indices.shape[-1] == nb
+        union = sel.block_union().repeat_interleave(H // k.shape[1], dim=1)  # [B, H, Q, nb]
+        torch.testing.assert_close(bm.kv_num_blocks, union.sum(-1).to(torch.int32))
+        for b, h, i in itertools.product(range(union.shape[0]), range(H), range(nb)):
+            n = int(bm.kv_num_blocks[b, h, i])
+            assert bm.kv_indices[b, h, i, :n].tolist() == union[b, h, i].nonzero().flatten().tolist()
+            qn = int(bm.q_num_blocks[b, h, i])  # query blocks that read key block i
+            assert sorted(bm.q_indices[b, h, i, :qn].tolist()) == union[b, h, :, i].nonzero().flatten().tolist()
 
 
 @pytest.mark.slow  # eager flex on CPU costs ~15 s of setup on the shared 2-core machine
