@@ -193,8 +193,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
             for s in range(0, h.shape[0], chunk_size):
                 e = min(s + chunk_size, h.shape[0])
                 ce[s:e], z[s:e], lse[s:e], exp_CV, m_C = _ce_chunk_forward(h[s:e], w, labels[s:e], ignore_index)
-                if keep:  # softmax = exp_CV * exp(m - lse): kept, backward needs no recomputing GEMM
-                    kept.append(exp_CV.mul_((m_C - lse[s:e]).exp_().unsqueeze(1)))
+                if keep:  # softmax = exp_CV * exp(m - lse): kept with its row scale, backward needs no
+                    # recomputing GEMM, and the scale folds into backward's one pass over the buffer
+                    kept.append((exp_CV, (m_C - lse[s:e]).exp_()))
                 else:
                     LOGITS_POOL.give(exp_CV)
         ctx.save_for_backward(h, w, labels, lse)
@@ -224,13 +225,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
             gce = torch.where(valid, grad_ce[s:e].to(acc), torch.zeros_like(lse))
             gz = torch.where(valid, grad_z[s:e].to(acc), torch.zeros_like(lse))
             # d ce / d logits = softmax - onehot; d z / d logits = 2 * lse * softmax.
-            # The softmax (kept, or recomputed from the logits) becomes the gradient in place.
+            # The softmax (kept unnormalised with its row scale, or recomputed from the logits)
+            # becomes the gradient in place.
+            row = gce + 2.0 * lse * gz
             if kept:
-                buf = kept[i]
-                kept[i] = None
+                (buf, scale), kept[i] = kept[i], None
+                row = row * scale
             else:
                 buf = _logits_buffer(h_c, w).sub_(lse.unsqueeze(1)).exp_()
-            buf.mul_((gce + 2.0 * lse * gz).unsqueeze(1))
+            buf.mul_(row.unsqueeze(1))
             buf.scatter_add_(1, safe.unsqueeze(1), -gce.unsqueeze(1))
             g = buf.to(h.dtype)  # the two gradient GEMMs run in the compute dtype too
             if grad_h is not None:
