@@ -196,9 +196,6 @@ def _interpreter_breaks_on_this_numpy() -> bool:
     """Triton 3.6's interpreter turns a kernel's runtime loop bound into an index with
     int(1-element array), which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted");
     later Triton squeezes first. Read from the interpreter's source, so a fixed Triton runs."""
-    import importlib.util
-    import inspect
-
     import numpy
 
     if tuple(int(p) for p in numpy.__version__.split(".")[:2]) < (2, 4):
