@@ -177,6 +177,11 @@ def register_bench(bench_sub) -> None:
                         "in the untimed warm-up), reference, triton"),
     p.add_argument("--steps", type=int, default=4, help="timed steps per model (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--malloc", choices=("default", "keep"), default="default",
+                   help="glibc allocator policy for both models: default, or keep (freed memory stays in the process, "
+                        "so large tensors are not page-faulted in again every step; see omniloom.pretrain.malloc). "
+                        "Page faults cost the Hugging Face model more, and their cost depends on the machine: "
+                        "keep measures the two models without it")
     p.set_defaults(func=_run)
 
 
@@ -193,8 +198,16 @@ def _run(args) -> int:
         seq, _, batch = item.partition("x")
         cases.append((int(seq), int(batch or 1)))
     patterns = [p for p in args.patterns.split(",") if p]
+    malloc = args.malloc
+    if malloc == "keep":
+        from .malloc import keep_freed_memory
+
+        if not keep_freed_memory():
+            print("--malloc keep needs glibc (Linux); timing with the default policy")
+            malloc = "default (keep unavailable)"
     print(f"equal math vs Hugging Face Qwen3-MoE (transformers {transformers.__version__}), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, omniloom backend {args.backend}; {args.steps} timed steps after {args.warmup}")
+          f"{torch.get_num_threads()} threads, omniloom backend {args.backend}, malloc {malloc}; "
+          f"{args.steps} timed steps after {args.warmup}")
     kernels = tuple(k for k in args.kernels.split(",") if k)
     if "compiled" in kernels and not torch.cuda.is_available():
         from omniloom.kernels.ops import cpp_compiler

@@ -48,6 +48,10 @@ class TrainConfig:
     # torch CPU threads per process; 0: cores // processes on this machine, less one per DataLoader
     # worker (pretrain/threads.py), unless OMP_NUM_THREADS is set
     num_threads: int = 0
+    # glibc allocator policy on CPU: "keep" serves large tensors from the heap and never returns
+    # freed memory to the OS, so a step does not page-fault its buffers in again every step
+    # (pretrain/malloc.py); "default" leaves glibc as it is. Ignored on GPU runs.
+    cpu_malloc: Literal["keep", "default"] = "keep"
     # DDP's per-step search for parameters without a gradient. OmniModel puts every parameter in
     # every step's graph (idle patch/tubelet projections and experts run as empty GEMMs), so it is
     # off; turn it on for a custom model that leaves parameters out of some steps.

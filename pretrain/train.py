@@ -112,6 +112,10 @@ class Trainer:
         configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
                           quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0)
         self.acc = make_accelerator(cfg)
+        if self.acc.device.type == "cpu" and cfg.train.cpu_malloc == "keep":
+            from .malloc import keep_freed_memory
+
+            keep_freed_memory()  # before the model and the first batches are allocated
         set_deterministic(cfg.train.deterministic)
         self._build_loader = build_loader or B.build_loader
         if build_model is None:
