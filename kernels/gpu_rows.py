@@ -28,6 +28,9 @@ ROWS: list[tuple[str, list[str], int, str]] = [
      "issue 13: the real 24-layer preset's tokens/s and MFU (target >= 30%), step-time breakdown"),
     ("step_speed", [sys.executable, "-m", "omniloom.kernels.gpu_check", "--only", "5", "--budget-s", "120"], 150,
      "issue 13: host syncs per step, flex L vs G at 4k/16k/64k, recompiles after warm-up, d1024 equal math vs HF"),
+    ("data_stream", [*CLI, "bench", "stream", "--workers", "14", "--docs", "4000", "--batches", "160"], 90,
+     "issue 13: does the data path (shards, decode, tokenize, pack, 14 DataLoader workers on this machine's cores) "
+     "keep up with the large_1b row's tokens/s? (a synthetic mixed corpus with images and videos)"),
     ("attention_64k", [*CLI, "bench", "model", "--skip-moe", "--kinds", "LGB", "--backends", "flex",
                        "--seq-lens", "8192,16384,32768,65536", "--block-size", "128", "--selected", "16",
                        "--window", "2048", "--selector", "indexer", "--iters", "3"], 100,
