@@ -7,7 +7,7 @@ top when it frees; the next step's tensors of the same sizes then fault their pa
 same large buffers every step pays those faults every step, and what they cost depends on the
 machine: on a VM under memory pressure (a balloon or a reclaim daemon) they grew the Hugging Face
 Qwen3-MoE step of `omniloom bench hf` by 1.4x, from 0.52 to 0.73 s (fill_ of fresh zeros: 28 ->
-200 ms over two steps), while omniloom, whose largest buffers are pooled, moved 1-4%.
+200 ms over two steps), while omniloom, whose largest buffers are pooled, moved 1-8%.
 
 `keep_freed_memory()` turns that off for this process: no mmap for large blocks (they come from
 the heap) and no trimming, so freed memory is reused without faults. The process holds its peak
