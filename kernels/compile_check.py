@@ -1,6 +1,6 @@
 """Compile every Triton kernel for a CUDA GPU on a machine that has none:
 
-    python -m omniloom.kernels.compile_check [--arch 90] [--json PATH]
+    python -m omniloom.kernels.compile_check [--arch 90] [--presets large_1b,...] [--json PATH]
 
 The TRITON_INTERPRET=1 tests run the kernels' arithmetic on CPU, but the interpreter never
 compiles them: a construct this Triton cannot lower, a block too large for the GPU's registers
@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 # per-architecture limits that decide whether a compiled kernel can launch: registers per thread,
 # shared memory per block (bytes, opt-in maximum)
@@ -209,8 +210,6 @@ def op_cases(widths: dict, tokens: int = TOKENS) -> list[tuple[str, callable]]:
     tensors at these widths (dtypes as under bf16 autocast, plus all-fp32 for fp32 training)."""
     import torch
 
-    from types import SimpleNamespace
-
     from . import custom_ops
 
     ops = SimpleNamespace(**custom_ops.OPS)  # the Triton ops themselves (get_ops refuses them without a GPU)
@@ -225,11 +224,10 @@ def op_cases(widths: dict, tokens: int = TOKENS) -> list[tuple[str, callable]]:
     def back(*outs):
         torch.autograd.backward([o for o in outs if o.requires_grad], [torch.zeros_like(o) for o in outs if o.requires_grad])
 
-    cases = []
+    # RMSNorm: the residual stream stays fp32 under autocast (and in fp32 training); fp32 weights
+    cases = [(f"rms_norm x float32 D={D}", lambda: back(ops.rms_norm(leaf(B, S, D, dtype=torch.float32), leaf(D, dtype=torch.float32))))]
     for act in (torch.bfloat16, torch.float32):
         a = str(act).replace("torch.", "")
-        # RMSNorm: the residual stream stays fp32 under autocast; fp32 weights
-        cases.append((f"rms_norm x fp32 D={D}", lambda: back(ops.rms_norm(leaf(B, S, D, dtype=torch.float32), leaf(D, dtype=torch.float32)))))
         if act != torch.float32:
             cases.append((f"rms_norm x {a} D={D}", lambda act=act: back(ops.rms_norm(leaf(T, D, dtype=act), leaf(D, dtype=torch.float32)))))
         # q / k: strided views of the fused qkv projection (activation dtype), fp32 angles and norm weights
