@@ -230,8 +230,7 @@ class CheckpointManager:
             data_states = [torch.load(path / f"data_rank{r:05d}.pt", weights_only=True) for r in range(saved_world)]
         except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
             raise ValueError(_unloadable_message(path, err)) from err
-        if same_world:
-            self._check_rng_restored(path)
+        self._check_rng_files(path, saved_world)
         log.info("resumed from %s (step %d)", path, trainer_state.get("step", -1))
         return trainer_state, data_states
 
@@ -240,18 +239,36 @@ class CheckpointManager:
 
         return self.acc.distributed_type == DistributedType.FSDP
 
-    def _check_rng_restored(self, path: Path) -> None:
+    def _check_rng_files(self, path: Path, saved_world: int) -> None:
         """accelerate skips an unreadable `random_states_<rank>.pkl` with an INFO line and goes on
-        with fresh RNG streams: the resumed run would silently stop being exact. Refuse instead."""
+        with fresh RNG streams: the resumed run would silently stop being exact. Refuse instead.
+
+        Every rank reads every saved rank's file, at any world size, so that a tampered or corrupt
+        one is refused by all ranks alike even where this run would not restore it (a rank with no
+        saved counterpart starts fresh streams, as `load` says). This rank's own file, where there
+        is one, must also have been restored."""
         from accelerate.utils import load as acc_load
 
-        rng_file = path / "accelerate" / f"random_states_{self.acc.process_index}.pkl"
+        own = None
+        for rank in range(saved_world):
+            rng_file = path / "accelerate" / f"random_states_{rank}.pkl"
+            if not rng_file.exists():  # not listed in the marker by an older writer: nothing to restore
+                continue
+            try:
+                states = acc_load(rng_file, map_location="cpu")
+                if not isinstance(states, dict) or "torch_manual_seed" not in states or "random_state" not in states:
+                    raise ValueError("not an RNG state (missing keys)")
+            except Exception as err:  # a pickle payload, a truncated file, a missing key: all the same to the user
+                raise ValueError(_unloadable_message(path, err, rng_file)) from err
+            if rank == self.acc.process_index:
+                own = rng_file, states
+        if own is None:
+            return
+        rng_file, states = own
         try:
-            states = acc_load(rng_file, map_location="cpu")
-            ok = (isinstance(states, dict)
-                  and torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
+            ok = (torch.equal(torch.get_rng_state(), states["torch_manual_seed"])
                   and random.getstate() == tuple(states["random_state"]))
-        except Exception as err:  # a pickle payload, a truncated file, a missing key: all the same to the user
+        except Exception as err:  # noqa: BLE001 - malformed values: unreadable to the user
             raise ValueError(_unloadable_message(path, err, rng_file)) from err
         if not ok:
             raise ValueError(f"cannot resume from {path}: the RNG state in {rng_file.name} was not restored, so the "

@@ -400,6 +400,35 @@ def test_resume_refuses_unsafe_or_corrupt_state_in_one_line(tmp_path, tamper, ma
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("tampered_rank", [0, 1])
+def test_resume_on_another_world_size_refuses_an_unsafe_rng_file_of_any_rank(tmp_path, tampered_rank):
+    """Issue 14 item 4, on another world size: the RNG files were checked only when the process
+    count matched, so a pickle payload in `random_states_0.pkl` of a 2-process checkpoint resumed
+    on 1 process was skipped with an INFO line. Every saved rank's file is now checked by every
+    rank, whether or not this run restores it."""
+    import json
+    import shutil
+
+    _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=2").fit()
+    ckpt = ckpt_mod.latest_checkpoint(tmp_path / "checkpoints")
+    info = json.loads((ckpt / ckpt_mod.MARKER).read_text())  # make it a 2-process checkpoint
+    info["world_size"] = 2
+    (ckpt / ckpt_mod.MARKER).write_text(json.dumps(info))
+    shutil.copy(ckpt / "data_rank00000.pt", ckpt / "data_rank00001.pt")
+    shutil.copy(ckpt / "accelerate" / "random_states_0.pkl", ckpt / "accelerate" / "random_states_1.pkl")
+    _reset_accelerate()
+    # untouched, the RNG files pass and the resume gets as far as this stand-in loader's own refusal
+    with pytest.raises(ValueError, match="cannot resume on another world size"):
+        _trainer(tmp_path, "train.num_steps=3", f"checkpoint.resume={ckpt}")
+    _reset_accelerate()
+    marker = tmp_path / "pwned"
+    torch.save({"random_state": _Payload(marker)}, ckpt / "accelerate" / f"random_states_{tampered_rank}.pkl")
+    with pytest.raises(ValueError, match=rf"refusing to resume from .*: accelerate/random_states_{tampered_rank}\.pkl "
+                                         "holds pickled objects") as err:
+        _trainer(tmp_path, "train.num_steps=3", f"checkpoint.resume={ckpt}")
+    assert "\n" not in str(err.value) and not marker.exists()
+
+
 # ---- CLI -----------------------------------------------------------------------------------------
 SMALL_MODEL = ["model.dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.rope_sections=[8,12,12]",
                "model.attention.window=32", "model.attention.block_size=16", "model.moe.expert_dim=32",
