@@ -101,6 +101,27 @@ def list_checkpoints(ckpt_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_RE.match(p.name).group(1)))
 
 
+def incomplete_checkpoints(ckpt_dir: str | Path, after_step: int = -1) -> list[tuple[Path, str]]:
+    """`step_N` folders in `ckpt_dir` past `after_step` that are not complete, oldest first, each
+    with why (`incomplete_reason`). Temporary `.tmp-` folders are not listed: they are never read."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    found = []
+    for p in ckpt_dir.iterdir():
+        match = _STEP_RE.match(p.name)
+        if match and int(match.group(1)) > after_step:
+            reason = incomplete_reason(p)
+            if reason is not None:
+                found.append((p, reason))
+    return sorted(found, key=lambda pr: step_of(pr[0]))
+
+
+def describe_incomplete(found: list[tuple[Path, str]]) -> str:
+    """'step_X (why)[, step_Y (why)...]' for `incomplete_checkpoints`' result, newest first."""
+    return ", ".join(f"{p.name} ({reason})" for p, reason in reversed(found))
+
+
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
     """The newest complete checkpoint, or None. Temporary and unmarked folders are ignored."""
     found = list_checkpoints(ckpt_dir)
@@ -113,7 +134,16 @@ def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
     if not resume:
         return None
     if resume == "auto":
-        return latest_checkpoint(ckpt_dir)
+        newest = latest_checkpoint(ckpt_dir)
+        damaged = incomplete_checkpoints(ckpt_dir, step_of(newest) if newest is not None else -1)
+        if damaged and newest is None:
+            raise ValueError(f"checkpoint.resume=auto: {ckpt_dir} holds no complete checkpoint, only "
+                             f"{describe_incomplete(damaged)}; restore the missing files, or move the folder away "
+                             "to start afresh")
+        if damaged:
+            log.warning("checkpoint.resume=auto: resuming from %s, the newest complete checkpoint; skipping the newer "
+                        "%s", newest.name, describe_incomplete(damaged))
+        return newest
     path = Path(resume)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint.resume={resume}: no such folder; use 'auto' or a step_N folder "

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (FULL_FSDP_MODEL_FILE, MARKER, SHARDED_MODEL_DIR, incomplete_reason, latest_checkpoint,
-                         list_checkpoints, step_of)
+from .checkpoint import (FULL_FSDP_MODEL_FILE, MARKER, SHARDED_MODEL_DIR, describe_incomplete, incomplete_checkpoints,
+                         incomplete_reason, latest_checkpoint, list_checkpoints, step_of)
 from .safe_io import INDEX_NAME, SINGLE_NAME, parse_size, safe_torch_load, save_sharded
 
 log = logging.getLogger(__name__)
@@ -51,16 +51,17 @@ def resolve_checkpoint(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist; pass a run folder (with checkpoints/) or a checkpoint step_N folder")
-    if (p / "checkpoints").is_dir():
-        found = latest_checkpoint(p / "checkpoints")
+    if (p / "checkpoints").is_dir() or (p.name == "checkpoints" and p.is_dir()):
+        ckpt_dir = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+        found = latest_checkpoint(ckpt_dir)
+        damaged = incomplete_checkpoints(ckpt_dir, step_of(found) if found is not None else -1)
         if found is None:
-            raise ValueError(f"run {p} has no complete checkpoint yet (checkpoints/ holds none with a {MARKER} marker); "
-                             "train longer or pass a step_N folder")
-        return found
-    if p.name == "checkpoints" and p.is_dir():
-        found = latest_checkpoint(p)
-        if found is None:
-            raise ValueError(f"{p} holds no complete checkpoint")
+            what = (f"only {describe_incomplete(damaged)}; restore the missing files or pass another run"
+                    if damaged else "train longer or pass a step_N folder")
+            raise ValueError(f"{p} holds no complete checkpoint yet: {what}")
+        if damaged:
+            log.warning("using %s, the newest complete checkpoint in %s; skipping the newer %s", found.name, ckpt_dir,
+                        describe_incomplete(damaged))
         return found
     if (p / MARKER).exists() or p.name.startswith("step_"):
         reason = incomplete_reason(p)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,33 @@ def test_incomplete_checkpoint_message_names_the_missing_file(tmp_path):
 
     with pytest.raises(ValueError, match=r"accelerate/model\.safetensors listed"):
         resolve_checkpoint(lying)
+
+
+def test_resume_auto_and_export_name_the_newer_incomplete_checkpoints_they_skip(tmp_path, caplog):
+    """Issue 14 item 18 beyond an explicit step_N: `--resume auto` skipped a checkpoint whose marker
+    lists a missing file with an INFO line, and started from step 0 when it was the only one;
+    `omniloom export RUN` said 'none with a COMPLETE marker' though the marker was there."""
+    from omniloom.pretrain.export import resolve_checkpoint
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    lying = _fake_complete(ckpts, 20)
+    (lying / ckpt_mod.MARKER).write_text(json.dumps({"step": 20, "files": ["trainer.pt", "accelerate/model.safetensors"]}))
+    missing = r"step_00000020 \(accelerate/model\.safetensors listed in its COMPLETE marker is missing"
+    with pytest.raises(ValueError, match=r"checkpoint.resume=auto: .* holds no complete checkpoint, only " + missing):
+        ckpt_mod.resolve_resume("auto", ckpts)
+    with pytest.raises(ValueError, match=r"holds no complete checkpoint yet: only " + missing) as err:
+        resolve_checkpoint(tmp_path / "run")
+    assert "none with a" not in str(err.value)
+    good = _fake_complete(ckpts, 8)
+    with caplog.at_level("WARNING"):
+        assert ckpt_mod.resolve_resume("auto", ckpts) == good
+        assert resolve_checkpoint(tmp_path / "run") == good
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and all(re.search(missing, w) and "step_00000008" in w for w in warned), warned
+    lying.rename(ckpts / ".tmp-step_00000020")  # a temporary folder is never read, and never reported
+    caplog.clear()
+    assert ckpt_mod.resolve_resume("auto", ckpts) == good and not caplog.records
 
 
 def test_checkpoint_files_honour_the_umask(tmp_path):
