@@ -50,10 +50,42 @@ def _build(cls, data: dict, path: str):
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             value = _build(tp, value, f"{path}.{key}")
-        elif typing.get_origin(tp) is tuple and isinstance(value, list):
-            value = tuple(value)
+        else:
+            if typing.get_origin(tp) is tuple and isinstance(value, list):
+                value = tuple(value)
+            _check_type(value, tp, f"{path}.{key}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _type_ok(value, tp) -> bool:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if origin is typing.Union:
+        return any(_type_ok(value, a) for a in args)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_type_ok(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_type_ok(v, a) for v, a in zip(value, args))
+    if tp is type(None):
+        return value is None
+    if tp is float:  # JSON writes 1.0 as 1 when a float is whole
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp) if isinstance(tp, type) else True
+
+
+def _check_type(value, tp, key: str) -> None:
+    """A config value of the wrong JSON type (`"dim": "32"`) is one clear error naming the key,
+    not a TypeError deep inside a constructor."""
+    if not _type_ok(value, tp):
+        want = getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+        raise ValueError(f"{key}={value!r} in {CONFIG_NAME} is not of type {want}; the export is corrupt or was "
+                         "not written by `omniloom export`")
 
 
 def _inside(folder: Path, file: Path) -> Path:
@@ -153,11 +185,11 @@ _MAY_BE_ZERO = {"num_experts", "num_shared_experts", "num_dense_layers", "num_vi
                 "indexer_rope_dim"}
 
 
-def _check_bounds(cfg, path: str = "model") -> None:
+def _check_bounds(cfg, path: str = "model", config_name: str = CONFIG_NAME) -> None:
     for f in dataclasses.fields(cfg):
         value, key = getattr(cfg, f.name), f"{path}.{f.name}"
         if dataclasses.is_dataclass(value):
-            _check_bounds(value, key)
+            _check_bounds(value, key, config_name)
             continue
         values = list(value) if isinstance(value, (tuple, list)) else [value]
         for v in values:
@@ -165,12 +197,12 @@ def _check_bounds(cfg, path: str = "model") -> None:
                 continue
             if isinstance(v, float):
                 if v != v or abs(v) == float("inf"):
-                    raise ValueError(f"{key}={value} in {CONFIG_NAME} is not a finite number")
+                    raise ValueError(f"{key}={value} in {config_name} is not a finite number")
                 continue
             low = -1 if f.name in _MAY_BE_MINUS_ONE else (0 if f.name in _MAY_BE_ZERO or isinstance(value, tuple) else 1)
             if not low <= v <= _MAX_INT:
-                raise ValueError(f"{key}={value} in {CONFIG_NAME} is out of range (must be between {low} and "
-                                 f"{_MAX_INT}); the export is corrupt or was not written by `omniloom export`")
+                raise ValueError(f"{key}={value} in {config_name} is out of range (must be between {low} and "
+                                 f"{_MAX_INT}); the file is corrupt or was not written by omniloom")
 
 
 def check_config_against_weights(cfg, path: str | Path) -> None:
@@ -178,23 +210,29 @@ def check_config_against_weights(cfg, path: str | Path) -> None:
     shapes, that the export's safetensors headers hold. Costs no memory: the model is built on
     the meta device and only the headers are read, so a hostile config.json (a vocabulary of 4e9,
     dim 8192 x 16 layers) is refused before anything is allocated."""
+    check_config_against_shapes(cfg, read_safetensors_shapes(path), path)
+
+
+def check_config_against_shapes(cfg, shapes: dict[str, tuple[int, ...]], where, config_name: str = CONFIG_NAME) -> None:
+    """`check_config_against_weights` for tensor shapes already known (a training checkpoint's
+    weights, read before the model is built): bounds every config integer, then compares the
+    state dict of the model built on the meta device (nothing allocated) with `shapes`."""
     import torch
 
     from .decoder import OmniModel
 
-    _check_bounds(cfg)
-    shapes = read_safetensors_shapes(path)
+    _check_bounds(cfg, config_name=config_name)
     layers = {int(k.split(".")[1]) for k in shapes if k.startswith("layers.") and k.split(".")[1].isdigit()}
     if cfg.num_layers != len(layers):  # checked first: building a huge layer count even on meta takes long
-        raise ValueError(f"{path}: config.json says model.num_layers={cfg.num_layers}, the weights hold {len(layers)} layers")
+        raise ValueError(f"{where}: {config_name} says model.num_layers={cfg.num_layers}, the weights hold {len(layers)} layers")
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in OmniModel(cfg).state_dict().items()}
     missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match config.json (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise ValueError(f"{where}: weights do not match {config_name} (missing {missing[:5]}, unexpected {unexpected[:5]})")
     for name, shape in expected.items():
-        if shapes[name] != shape:
-            raise ValueError(f"{path}: tensor {name} has shape {shapes[name]}, config.json implies {shape}")
+        if tuple(shapes[name]) != shape:
+            raise ValueError(f"{where}: tensor {name} has shape {tuple(shapes[name])}, {config_name} implies {shape}")
 
 
 def load_pretrained(path: str | Path, *, device: str = "cpu", dtype: str | None = None, backend: str | None = None):

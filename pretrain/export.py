@@ -216,14 +216,11 @@ def find_tokenizer_dir(cfg, ckpt: Path, override: str | Path | None = None) -> P
 def load_checkpoint_model(path: str | Path, *, tokenizer: str | Path | None = None):
     """(model in eval mode, RunConfig, checkpoint folder, tokenizer folder) for a run or checkpoint,
     without writing anything (what `omniloom eval RUN` uses)."""
-    from omniloom.model import OmniModel
-
     ckpt = resolve_checkpoint(path)
     cfg = load_checkpoint_config(ckpt)
     cfg = dataclasses.replace(cfg, model=portable_model_config(cfg.model))
-    model = OmniModel(cfg.model)
     state = read_checkpoint_weights(ckpt)
-    _load_strict(model, state, ckpt)
+    model = _build_checked(cfg.model, state, ckpt)
     tok_dir = find_tokenizer_dir(cfg, ckpt, tokenizer)
     return model.eval(), cfg, ckpt, tok_dir
 
@@ -236,6 +233,20 @@ def portable_model_config(model_cfg):
         att = dataclasses.replace(model_cfg.attention, backend="blocksparse")
         return dataclasses.replace(model_cfg, attention=att)
     return model_cfg
+
+
+def _build_checked(model_cfg, state: dict, ckpt: Path):
+    """The OmniModel of `model_cfg` holding `state`, after checking the config (bounds, then every
+    tensor's shape, on the meta device) against the weights: a hand-edited or hostile config.yaml
+    (a vocabulary of 4e9) is refused before anything is allocated."""
+    from omniloom.model import OmniModel
+    from omniloom.model.pretrained import check_config_against_shapes
+
+    check_config_against_shapes(model_cfg, {k: tuple(v.shape) for k, v in state.items()}, ckpt,
+                                config_name="config.yaml")
+    model = OmniModel(model_cfg)
+    _load_strict(model, state, ckpt)
+    return model
 
 
 def _load_strict(model, state: dict, where) -> None:
@@ -267,8 +278,6 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
 
     dtype "bf16" stores the matrices in bfloat16; 1-D tensors (norm weights, router biases) stay
     fp32, being tiny and what routing and normalization are most sensitive to."""
-    from omniloom.model import OmniModel
-
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     parse_size(max_shard_size)  # a malformed size fails before any reading
@@ -282,8 +291,7 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
     log.info("exporting %s", ckpt)
     state = read_checkpoint_weights(ckpt)
     # validates names and shapes against the config before anything is written
-    model = OmniModel(portable_model_config(cfg.model))
-    _load_strict(model, state, ckpt)
+    model = _build_checked(portable_model_config(cfg.model), state, ckpt)
     trainer = _trainer_state(ckpt)
     step = int(trainer.get("step", step_of(ckpt)))
     tokens_seen = int(trainer.get("tokens_seen", 0))

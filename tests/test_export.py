@@ -289,6 +289,10 @@ def _copy_export(export_dir, dst, **model_changes):
 @pytest.fixture
 def no_real_model(monkeypatch):
     """Fails the test if an OmniModel is built anywhere but on the meta device (no allocation)."""
+    _forbid_real_models(monkeypatch)
+
+
+def _forbid_real_models(monkeypatch):
     import omniloom.model.decoder as decoder
 
     init = decoder.OmniModel.__init__
@@ -319,6 +323,48 @@ def test_hostile_config_is_refused_before_anything_is_allocated(export_dir, tmp_
     bad = _copy_export(export_dir, tmp_path / "bad", **changes)
     with pytest.raises(ValueError, match=match):
         load_pretrained(bad)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"dim": "32"}, r"model\.dim='32' in config\.json is not of type int"),
+    ({"vocab_size": 512.0}, r"model\.vocab_size=512\.0 in config\.json is not of type int"),
+    ({"rope_sections": [4, 6]}, r"model\.rope_sections=\(4, 6\) in config\.json is not of type tuple"),
+    ({"attention": {"backend": 3}}, r"model\.attention\.backend=3 in config\.json is not of type Literal"),
+])
+def test_a_config_value_of_the_wrong_type_is_one_clear_error(export_dir, tmp_path, no_real_model, changes, match):
+    """Issue 14 item 14: `"dim": "32"` ended in a raw TypeError traceback from a constructor."""
+    if "attention" in changes:
+        info = json.loads((export_dir / "config.json").read_text())
+        changes = {"attention": {**info["model"]["attention"], **changes["attention"]}}
+    bad = _copy_export(export_dir, tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=match):
+        load_pretrained(bad)
+    assert main(["-qq", "generate", str(bad), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"vocab_size": 4_000_000_000}, r"model\.vocab_size=4000000000 in config\.yaml is out of range"),
+    ({"vocab_size": 4_000_000}, r"embed\.tok\.weight has shape .*, config\.yaml implies"),
+    ({"num_layers": 64}, r"config\.yaml says model\.num_layers=64, the weights hold 3 layers"),
+])
+def test_a_checkpoint_config_yaml_is_checked_against_its_weights_before_building(tmp_path, tok_dir, monkeypatch,
+                                                                                  changes, match):
+    """Issue 14 item 14 for `omniloom export` and `omniloom eval` on a checkpoint: they built the
+    model from config.yaml before any check (a vocabulary of 4e6 took ~870 MB before the refusal)."""
+    import yaml
+
+    from omniloom.pretrain.export import load_checkpoint_model
+
+    run, _ = make_run(tmp_path / "run", tok_dir)
+    ckpt = resolve_checkpoint(run)
+    cfg = yaml.safe_load((ckpt / "config.yaml").read_text())
+    cfg["model"].update(changes)
+    (ckpt / "config.yaml").write_text(yaml.safe_dump(cfg))
+    _forbid_real_models(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        export_checkpoint(run, tmp_path / "export")
+    with pytest.raises(ValueError, match=match):
+        load_checkpoint_model(run)
 
 
 def test_a_faithful_config_still_loads_after_the_header_check(export_dir):
