@@ -135,6 +135,34 @@ def test_export_folder_loads_in_autotokenizer(tok_dir, tmp_path):
     assert Tokenizer.load(out).encode(CODE) == tok.encode(CODE)
 
 
+def test_python_started_in_the_checkout_root_gets_the_real_tokenizers_and_loads_an_export(tok_dir, tmp_path):
+    """Python started in the checkout (a REPL, a notebook, `python -c`, where `./demo_out` lands)
+    puts the root first on sys.path, where the repo's tokenizers/ folder shadowed Hugging Face's
+    package: `AutoTokenizer.from_pretrained` died with "cannot import name 'Encoding' from
+    'tokenizers' (.../tokenizers/__init__.py)". The folder now hands the name to the real one."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "export"
+    _tiny_export(tok_dir, out)
+    text = "Hello world. café 🎉\n" + CODE
+    script = ("import json, sys, tokenizers\n"
+              "from transformers import AutoTokenizer\n"
+              "ids = AutoTokenizer.from_pretrained(sys.argv[1])(sys.argv[2])['input_ids']\n"
+              "try:\n    import kernels\nexcept ModuleNotFoundError as err:\n    kern = str(err)\n"
+              "else:\n    kern = kernels.__file__\n"
+              "print(json.dumps({'file': tokenizers.__file__, 'ids': ids, 'kernels': kern}))\n")
+    res = subprocess.run([sys.executable, "-c", script, str(out), text], cwd=root, capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONSAFEPATH"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert Path(got["file"]).resolve().parent != root / "tokenizers"
+    assert got["ids"] == Tokenizer.load(tok_dir).encode(text)
+    # a name with no real package behind it says what the folder is (or is the real package, if one is installed)
+    assert "is omniloom.kernels, not that package" in got["kernels"] or root not in Path(got["kernels"]).parents
+
+
 def _legacy_copy(tok_dir: Path, dest: Path) -> Path:
     """A folder as omniloom wrote it before the rename: tokenizer.model + its metadata as tokenizer.json."""
     dest.mkdir()
