@@ -34,8 +34,24 @@ def _omniloom(*args: str) -> list[str]:
     return [sys.executable, "-m", "omniloom.pretrain.cli", *args]
 
 
+def demo_threads(processes: int, env=None) -> list[str]:
+    """`--threads N` for the one-process eval and generate stages: the training's share of the
+    cores this process may use (affinity and cgroup quota, pretrain/threads.py), not every core.
+    On a shared 2-core machine two threads per process run several times slower as soon as other
+    jobs take a core (the one-process eval of 298 held-out documents: 110 s with 2 threads on a
+    busy machine). Nothing when the user set OMP_NUM_THREADS: their choice wins. The training
+    stage chooses for itself under the launcher (cores / processes, less its loader workers)."""
+    from .threads import available_cores
+
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return []
+    return ["--threads", str(max(1, available_cores() // max(1, processes)))]
+
+
 def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) -> list[Stage]:
     corpus, shards, tok, run, export = out / "corpus", out / "shards", out / "tokenizer", out / "run", out / "export"
+    threads = demo_threads(processes)
     launch = [sys.executable, "-m", "accelerate.commands.launch"]
     if processes > 1:
         launch += ["--config_file", str(_accelerate_config("cpu_2proc")), "--num_processes", str(processes)]
@@ -73,11 +89,12 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
               run / "checkpoints" / f"step_{steps:08d}"),
         Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
-                                "--no-progress"), out / "eval.json"),
+                                "--no-progress", *threads), out / "eval.json"),
         # --force: an export cut off before its config.json is redone (the demo owns that folder)
         Stage("export", _omniloom("export", str(run), "--out", str(export), "--force"), export / "config.json"),
         Stage("generate from an image", _omniloom("generate", str(export), "--image", str(_first_heldout_image(corpus)),
-                                                  "--prompt", "", "--max-new-tokens", "16", "--out", str(out / "generate.txt")),
+                                                  "--prompt", "", "--max-new-tokens", "16", "--out", str(out / "generate.txt"),
+                                                  *threads),
               out / "generate.txt"),
         Stage("report", _omniloom("report", str(run), "--eval", str(out / "eval.json")), run / "report" / "index.html"),
     ]
@@ -98,11 +115,6 @@ def run_demo(out: Path, *, steps: int, processes: int, overrides: list[str], fre
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    # One torch thread per core per training process, for every stage: on a shared 2-core machine two
-    # threads per process run several times slower as soon as other jobs take a core (the
-    # one-process eval of 298 held-out documents: 110 s with 2 threads on a busy machine). Each
-    # stage still logs its choice (pretrain/threads.py); an OMP_NUM_THREADS already set wins.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // max(1, processes))))
     timings = {}
     for stage in demo_stages(out, steps=steps, processes=processes, overrides=overrides):
         if stage.done():

@@ -13,8 +13,9 @@ DataLoader worker it feeds, and never less than one thread:
 when the container has one; `processes_on_this_machine` is LOCAL_WORLD_SIZE (set by accelerate
 launch and torchrun), else 1. An explicit choice wins: the config value (`train.num_threads`,
 `--threads`), else an OMP_NUM_THREADS set in the environment. Under a launcher (LOCAL_WORLD_SIZE
-set) OMP_NUM_THREADS=1 is what accelerate launch and torchrun put there when nobody asked, so it
-is not taken as a choice: pass train.num_threads=1 to force one thread there. DataLoader workers
+set, or accelerate's one-process launcher's ACCELERATE_* variables) OMP_NUM_THREADS=1 is what
+accelerate launch and torchrun put there when nobody asked, so it is not taken as a choice: pass
+train.num_threads=1 to force one thread there. DataLoader workers
 get one thread each (`omniloom.data.stream` gives them a worker_init_fn).
 
 The trade-off, measured with the `tiny` preset (1 process, 2 workers) on a 2-core machine: nearly
@@ -87,8 +88,8 @@ def choose_threads(requested: int = 0, *, num_workers: int = 0, env=None, cores:
     if requested > 0:
         return ThreadChoice(requested, f"set by {option}")
     omp = env.get("OMP_NUM_THREADS", "").strip()
-    if omp == "1" and "LOCAL_WORLD_SIZE" in env:
-        omp = ""  # accelerate launch / torchrun put 1 there by default: not a user's choice
+    if omp == "1" and ("LOCAL_WORLD_SIZE" in env or "ACCELERATE_DYNAMO_BACKEND" in env):
+        omp = ""  # torchrun and accelerate launch (its one-process launcher too) put 1 there by default: no choice
     if omp:
         try:
             n = int(omp)

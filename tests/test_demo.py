@@ -38,6 +38,31 @@ def test_every_stage_parses_with_the_real_cli(tmp_path):
     assert "--force" in next(st for st in stages if st.name == "tokenizer train").argv
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_demo_threads_come_from_the_cores_this_process_may_use(tmp_path, monkeypatch, processes):
+    """The demo put OMP_NUM_THREADS = os.cpu_count() // processes into every stage's environment:
+    blind to CPU affinity and cgroup quotas, and every stage then logged 'set by OMP_NUM_THREADS'
+    though nobody set it. Eval and generate now get `--threads` from the available cores; the
+    training stage chooses for itself; an OMP_NUM_THREADS the user set wins everywhere."""
+    import omniloom.pretrain.demo as demo
+    import omniloom.pretrain.threads as threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "available_cores", lambda: 3)  # e.g. `taskset -c 0-2` on a bigger machine
+    stages = {s.name: s for s in demo_stages(tmp_path, steps=7, processes=processes, overrides=[])}
+    want = ["--threads", str(3 // processes)]
+    for name in ("eval", "generate from an image"):
+        argv = stages[name].argv
+        assert argv[argv.index("--threads"):argv.index("--threads") + 2] == want, name
+    for name, stage in stages.items():
+        assert "OMP_NUM_THREADS" not in stage.env, name
+        if "omniloom.pretrain.train" in stage.argv:
+            assert not any("num_threads" in a for a in stage.argv)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice: passed through, not overridden
+    assert not any("--threads" in s.argv for s in demo_stages(tmp_path, steps=7, processes=processes, overrides=[]))
+    assert demo.demo_threads(processes, env={}) == want
+
+
 @pytest.mark.slow
 def test_full_demo_learns_to_read_pixels(tmp_path):
     out = tmp_path / "demo"
