@@ -1,6 +1,6 @@
 """`omniloom demo`: the whole product on embedded defaults, from raw files to an exported model.
 
-Each stage runs the same `omniloom ...` / `accelerate launch ...` command a user would type, in a
+Each stage runs the same `omniloom ...` / `omniloom launch ...` command a user would type, in a
 subprocess, and is skipped when its output is already complete, so an interrupted demo picks up
 where it stopped. The stage list below is the demo; the summary at the end says where everything is.
 """
@@ -52,7 +52,8 @@ def demo_threads(processes: int, env=None) -> list[str]:
 def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) -> list[Stage]:
     corpus, shards, tok, run, export = out / "corpus", out / "shards", out / "tokenizer", out / "run", out / "export"
     threads = demo_threads(processes)
-    launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    # omniloom launch: accelerate launch's arguments, with a scheduler's exit codes (Ctrl-C saves, exits 0)
+    launch = [sys.executable, "-m", "omniloom.pretrain.launch"]
     if processes > 1:
         launch += ["--config_file", str(_accelerate_config("cpu_2proc")), "--num_processes", str(processes)]
     else:
@@ -85,7 +86,7 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
                                            "--vocab-size", "2048", "--image-patch-budget", "16", "--video-frame-budget", "4",
                                            "--video-patch-budget", "16", "--out", str(tok), "--force"),  # redo a cut-off write
               tok / "omniloom_tokenizer.json", also_done_when=(tok / "tokenizer.json",)),  # a demo_out from before the rename
-        Stage("train (accelerate launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo",
+        Stage("train (omniloom launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo",
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
               run / "checkpoints" / f"step_{steps:08d}"),
         Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
@@ -173,7 +174,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "demo",
         help="run the whole pipeline on an embedded demo corpus (CPU; ~5 minutes on an idle 2-core machine)",
-        description="Demo corpus -> data build -> tokenizer train -> accelerate launch training of a tiny "
+        description="Demo corpus -> data build -> tokenizer train -> `omniloom launch` (accelerate) training of a tiny "
         "sparse-attention MoE -> eval -> export -> generate from an image -> HTML report. Takes about 5 minutes "
         "on an idle 2-core machine (training is ~4 of them; 4 min 18 s measured, BENCHMARKS.md), several times "
         "longer when other jobs share the cores. Training shows a progress bar on a terminal, else a line every "
@@ -181,7 +182,7 @@ def register(sub) -> None:
     )
     p.add_argument("--out", default="demo_out", help="folder for every artifact (default: ./demo_out)")
     p.add_argument("--steps", type=int, default=500, help="training steps (default 500)")
-    p.add_argument("--processes", type=int, default=2, help="data-parallel processes for accelerate launch (default 2)")
+    p.add_argument("--processes", type=int, default=2, help="data-parallel training processes (default 2)")
     p.add_argument("--fresh", action="store_true", help="delete --out first")
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides for training, e.g. model.num_layers=2")
     p.set_defaults(func=lambda a: run_demo(Path(a.out), steps=a.steps, processes=a.processes, overrides=a.overrides, fresh=a.fresh))

@@ -22,8 +22,12 @@ def test_every_stage_parses_with_the_real_cli(tmp_path):
         if "omniloom.pretrain.cli" in argv:
             args = parser.parse_args(argv[argv.index("omniloom.pretrain.cli") + 1:])
             assert callable(args.func), stage.name
-        else:  # the accelerate launch of the trainer
-            assert "accelerate.commands.launch" in argv and "omniloom.pretrain.train" in argv
+        else:  # the launch of the trainer: omniloom launch (accelerate launch with a scheduler's exit codes)
+            assert argv[1:3] == ["-m", "omniloom.pretrain.launch"] and "omniloom.pretrain.train" in argv
+            from accelerate.commands.launch import launch_command_parser
+
+            largs = launch_command_parser().parse_args(argv[3:])  # what omniloom launch hands accelerate
+            assert largs.module and largs.training_script == "omniloom.pretrain.train"
             from omniloom.pretrain.train import build_arg_parser
             from omniloom.pretrain.train_args import config_from_args
 
