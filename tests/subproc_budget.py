@@ -22,6 +22,27 @@ from pathlib import Path
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every descendant: torchrun starts each rank in a session of its own, so
+    killing the child's process group alone would leave the ranks (and their workers) running."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += _children(tree[-1])
+    for p in reversed(tree):  # leaves first: a parent killed first would orphan them to init
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _cpu_seconds(pid: int) -> float | None:
     """utime + stime of `pid` and of its descendants (live ones read directly, reaped ones through
     cutime/cstime), or None where /proc is missing."""
@@ -35,12 +56,7 @@ def _cpu_seconds(pid: int) -> float | None:
             continue
         seen = True
         total += sum(int(x) for x in fields[11:15]) / _TICK  # utime stime cutime cstime
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                children = (task / "children").read_text().split()
-                todo.extend(int(c) for c in children)
-        except OSError:
-            pass
+        todo.extend(_children(p))
     return total if seen else None
 
 
@@ -51,7 +67,7 @@ class BudgetExceeded(AssertionError):
 def run(cmd, *, cpu_budget_s: float, stall_s: float = 180.0, wall_cap_s: float = 3600.0,
         poll_s: float = 0.2, **popen_kwargs) -> subprocess.CompletedProcess:
     """Like `subprocess.run(cmd, capture_output=True, text=True)`, but the limit is work: raises
-    BudgetExceeded (killing the child's process group) when the child has used more than
+    BudgetExceeded (killing the child with all its descendants) when the child has used more than
     `cpu_budget_s` CPU seconds, when its CPU time stood still for `stall_s` seconds, or after
     `wall_cap_s`. The CompletedProcess gets a `cpu_s` attribute with the CPU time it used."""
     import tempfile
@@ -80,6 +96,7 @@ def run(cmd, *, cpu_budget_s: float, stall_s: float = 180.0, wall_cap_s: float =
                 time.sleep(poll_s)
         finally:
             if proc.poll() is None:
+                _kill_tree(proc.pid)
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -69,3 +69,28 @@ def test_a_hung_child_is_stopped_when_it_does_no_work(tmp_path):
     with pytest.raises(budget.BudgetExceeded, match="did no work"):
         budget.run([sys.executable, "-c", "import time; time.sleep(1000)"], cpu_budget_s=100, stall_s=1.5)
     assert time.monotonic() - t0 < 20
+
+
+def test_a_stopped_child_takes_its_own_sessions_descendants_with_it(tmp_path):
+    """torchrun starts each rank in a session of its own: killing the child's process group left
+    them running after the budget stopped the test's launcher."""
+    pid_file = tmp_path / "grandchild"
+    script = ("import subprocess, sys, time\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1000)'], start_new_session=True)\n"
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+              "time.sleep(1000)\n")
+    with pytest.raises(budget.BudgetExceeded, match="did no work"):
+        budget.run([sys.executable, "-c", script], cpu_budget_s=100, stall_s=1.5)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break  # gone
+        if state == "Z":  # killed, waiting for init to reap it
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(grandchild, signal.SIGKILL)
+        raise AssertionError("the grandchild in its own session outlived the budget's kill")
