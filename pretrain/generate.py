@@ -199,7 +199,8 @@ def _generate(model, prompt: Prompt, *, max_new_tokens, temperature, top_p, gen,
 
 
 def _build_prompt_naming_files(tok, prompt: str, media: dict, paths: dict):
-    """build_prompt, with a media error naming the file it came from (--image or --video)."""
+    """build_prompt, with a media error naming the file it came from (--image or --video) in one
+    plain line: PyAV's `[Errno N] ...: '<none>'` text becomes its message alone."""
     from omniloom.tokenizers.image import image_to_patches
     from omniloom.tokenizers.settings import MediaError
 
@@ -212,7 +213,37 @@ def _build_prompt_naming_files(tok, prompt: str, media: dict, paths: dict):
                 image_to_patches(media["image"], tok.settings)
             except MediaError:
                 culprit = "image"
-        raise ValueError(f"--{culprit} {paths[culprit]}: {err}") from err
+        raise ValueError(f"--{culprit} {paths[culprit]}: {_plain_av_text(str(err), err.__cause__)}") from err
+    except Exception as err:  # PyAV's own error, should one escape the video decoder unwrapped
+        if "video" not in media or not _is_av_error(err):
+            raise
+        raise ValueError(f"--video {paths['video']}: undecodable: {_av_message(err)}") from err
+
+
+def _is_av_error(err: BaseException | None) -> bool:
+    try:
+        import av
+    except ImportError:
+        return False
+    return isinstance(err, av.FFmpegError)
+
+
+def _plain_av_text(text: str, cause: BaseException | None) -> str:
+    """`text` with the str() of a PyAV error in it (`[Errno 1094995529] Invalid data found when
+    processing input: '<none>'`, maybe a log after it) replaced by the error's message alone, on
+    one line."""
+    if _is_av_error(cause):
+        try:
+            raw = str(cause)
+        except Exception:  # a PyAV error built without its usual arguments
+            raw = ""
+        text = text.replace(raw, _av_message(cause)) if raw and raw in text else text
+    return " ".join(text.split())
+
+
+def _av_message(err: BaseException) -> str:
+    """A PyAV error's message without its errno, file name ('<none>' for bytes) or FFmpeg log."""
+    return " ".join(str(getattr(err, "strerror", None) or "").split()) or type(err).__name__
 
 
 def generate_from_export(model_dir: str | Path, prompt: str = "", *, image: str | Path | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -122,9 +123,10 @@ class StepTimer:
 class MetricsLogger:
     """Rank-0 sink for metric dicts: one JSON object per line in `run_dir/metrics.jsonl`, the
     accelerate trackers (TensorBoard under `run_dir/tb` when enabled), and progress: a tqdm bar
-    (loss, tokens/s) when `progress` and stderr is a terminal, otherwise one log line every
-    `progress_seconds` (step, loss, tokens/s, elapsed, time left) so that a run under a launcher,
-    a pipe or a log file is never silent for minutes. `progress_seconds=0` turns the lines off.
+    (loss, tokens/s) when `progress` and stderr is a terminal that reports a width, otherwise
+    (a launcher, a pipe, a log file, a pty of 0 columns or COLUMNS=0) one log line every
+    `progress_seconds` (step, loss, tokens/s, elapsed, time left) so that the run is never silent
+    for minutes. `progress_seconds=0` turns the lines off.
 
     Other ranks get a logger whose methods do nothing, so the loop needs no rank checks."""
 
@@ -155,7 +157,9 @@ class MetricsLogger:
                 _write_hparams(accelerator.get_tracker("tensorboard", unwrap=True), _flat_hparams(hparams or {}))
             except Exception as err:  # a tracker that cannot start must not kill the run
                 log.warning("TensorBoard tracker disabled: %s", err)
-        if progress and _is_terminal(sys.stderr):
+        if progress and _is_terminal(sys.stderr) and not _zero_width(sys.stderr):
+            # a terminal that reports 0 columns (COLUMNS=0, some CI ptys) would get an empty bar:
+            # it gets the periodic lines instead
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
@@ -234,6 +238,17 @@ def _is_terminal(stream) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):
+        return False
+
+
+def _zero_width(stream) -> bool:
+    """A terminal that reports 0 columns (a pty nobody sized, as some CI runners make) or a
+    COLUMNS=0 environment: tqdm would draw nothing there."""
+    if os.environ.get("COLUMNS", "").strip() == "0":
+        return True
+    try:
+        return os.get_terminal_size(stream.fileno()).columns == 0
+    except (AttributeError, ValueError, OSError):  # no file descriptor: let tqdm decide
         return False
 
 

@@ -5,6 +5,7 @@ images and checks the gap turns positive."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -220,3 +221,22 @@ def test_eval_scores_every_document_by_default_and_says_how_many(setup, tmp_path
     assert f"scored 3 of {n} documents (--max-docs 3)" in capsys.readouterr().out
     counts = json.loads(out.read_text())["counts"]
     assert (counts["docs"], counts["docs_read"], counts["docs_available"]) == (3, 3, n)
+
+
+def test_eval_logs_its_torch_threads_and_honours_threads(setup, tmp_path, capsys):
+    """Issue 15.1: `omniloom eval` says in one line how many torch threads it runs, and --threads N wins."""
+    from omniloom.pretrain.export import save_export
+
+    root, tok, _ = setup
+    save_export(tiny_model(tok), root / "tok", tmp_path / "export")
+    root_logger = logging.getLogger()
+    handlers, level = root_logger.handlers[:], root_logger.level
+    try:  # without -q, main() points the root logger at this test's stderr at INFO: undo that after
+        assert main(["eval", str(tmp_path / "export"), "--data", str(root / "shards"), "--no-progress", "--max-docs", "1",
+                     "--threads", "2", "--out", str(tmp_path / "eval.json")]) == 0
+    finally:
+        root_logger.handlers[:] = handlers
+        root_logger.setLevel(level)
+    assert torch.get_num_threads() == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "torch threads per process:" in ln]
+    assert len(lines) == 1 and "torch threads per process: 2 (set by --threads; override with --threads N" in lines[0], lines

@@ -3,6 +3,8 @@ with an image, window layers keep only their window, sampling, and the `omniloom
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -159,6 +161,25 @@ def test_generate_cli_on_an_export(tok, tmp_path, capsys):
     assert "error" in capsys.readouterr().err
 
 
+def test_generate_logs_its_torch_threads_and_honours_threads(tok, tmp_path, capsys):
+    """Issue 15.1: `omniloom generate` says in one line how many torch threads it runs, and --threads N wins."""
+    from omniloom.pretrain.cli import main
+    from omniloom.pretrain.export import save_export
+
+    tok.save(tmp_path / "tok")
+    save_export(tiny_model(tok), tmp_path / "tok", tmp_path / "export")
+    root_logger = logging.getLogger()
+    handlers, level = root_logger.handlers[:], root_logger.level
+    try:  # without -q, main() points the root logger at this test's stderr at INFO: undo that after
+        assert main(["generate", str(tmp_path / "export"), "--prompt", "hi", "--max-new-tokens", "2", "--threads", "2"]) == 0
+    finally:
+        root_logger.handlers[:] = handlers
+        root_logger.setLevel(level)
+    assert torch.get_num_threads() == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "torch threads per process:" in ln]
+    assert len(lines) == 1 and "torch threads per process: 2 (set by --threads; override with --threads N" in lines[0], lines
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["flex", "sdpa"])
 def test_cache_parity_on_cuda_with_triton_kernels(tok, image_prompt, backend):
@@ -187,6 +208,39 @@ def test_a_bad_media_file_is_named_in_one_line(tok, tmp_path, capsys):
     assert main(["-qq", "generate", str(tmp_path / "export"), "--image", str(good), "--video", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"--video {bad}: undecodable" in err
+    # issue 15 G7: PyAV's '[Errno 1094995529] Invalid data found when processing input: '<none>'' is said plainly
+    bad_video = tmp_path / "bad.mp4"
+    bad_video.write_bytes(b"garbage" * 50)
+    assert main(["-qq", "generate", str(tmp_path / "export"), "--video", str(bad_video)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"--video {bad_video}: undecodable: not a readable video container: Invalid data found" in err, err
+    assert "Errno" not in err and "<none>" not in err, err
+
+
+def test_pyav_errors_on_a_video_become_one_plain_line_naming_it(tok, monkeypatch):
+    """Whether the tokenizer wrapped PyAV's error (a MediaError) or it escaped as is."""
+    import av
+
+    from omniloom.pretrain import generate as G
+    from omniloom.tokenizers.settings import MediaError
+
+    av_err = av.error.InvalidDataError(1094995529, "Invalid data found when processing input", "<none>",
+                                       (16, "h264", "no frame!\n"))
+    assert "Errno" in str(av_err) and "<none>" in str(av_err) and "last error log" in str(av_err)
+    wrapped = MediaError("undecodable", f"video decode failed: {av_err}")
+    wrapped.__cause__ = av_err
+    other = av.FFmpegError(5, "Input/output error", "<none>")
+    for raised, want in ((wrapped, "--video clip.mp4: undecodable: video decode failed: Invalid data found when processing input"),
+                         (av_err, "--video clip.mp4: undecodable: Invalid data found when processing input"),
+                         (other, "--video clip.mp4: undecodable: Input/output error")):
+        monkeypatch.setattr(G, "build_prompt", lambda *a, _e=raised, **k: (_ for _ in ()).throw(_e))
+        with pytest.raises(ValueError) as got:
+            G._build_prompt_naming_files(tok, "", {"video": b"x"}, {"video": "clip.mp4"})
+        assert str(got.value) == want
+    monkeypatch.setattr(G, "build_prompt", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # not PyAV's: not a user error
+        G._build_prompt_naming_files(tok, "", {"video": b"x"}, {"video": "clip.mp4"})
 
 
 def test_bench_decode_fills_each_layer_kind_and_counts_the_cache_exactly():

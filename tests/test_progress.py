@@ -4,7 +4,10 @@ log line every logging.progress_seconds with step, loss, tokens/s and the time l
 from __future__ import annotations
 
 import logging
+import os
 import types
+
+import pytest
 
 from omniloom.pretrain.metrics import MetricsLogger
 
@@ -50,6 +53,7 @@ def test_on_a_terminal_the_bar_shows_loss_and_tokens_per_second(tmp_path, monkey
 
     err = Tty()
     monkeypatch.setattr("sys.stderr", err)
+    monkeypatch.delenv("COLUMNS", raising=False)
     logger = MetricsLogger(_acc(), tmp_path, total_steps=4, start_step=0, tensorboard=False, run_name="r", progress=True)
     assert logger._bar is not None
     logger._bar.fp = err  # tqdm bound the stream at creation; make sure it writes here
@@ -57,3 +61,46 @@ def test_on_a_terminal_the_bar_shows_loss_and_tokens_per_second(tmp_path, monkey
         logger.progress(step, {"loss": 2.5}, tokens_seen=step * 100)
     logger.close()
     assert "tok/s" in err.getvalue() and "loss" in err.getvalue()
+
+
+def _lines_from(logger, caplog, steps=4):
+    with caplog.at_level(logging.INFO, logger="omniloom.pretrain.metrics"):
+        for step in range(1, steps + 1):
+            logger.progress(step, {"loss": 2.5}, tokens_seen=step * 100)
+    logger.close()
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pty")
+def test_a_terminal_of_zero_columns_gets_the_periodic_line(tmp_path, caplog, monkeypatch):
+    """Issue 15 G8: a pty nobody sized (some CI runners) reports 0 columns; tqdm drew nothing there."""
+    master, slave = os.openpty()  # a fresh pty: 0 columns, 0 lines
+    err = os.fdopen(slave, "w")
+    try:
+        assert err.isatty() and os.get_terminal_size(slave).columns == 0
+        monkeypatch.setattr("sys.stderr", err)
+        monkeypatch.delenv("COLUMNS", raising=False)
+        logger = MetricsLogger(_acc(), tmp_path, total_steps=4, start_step=0, tensorboard=False, run_name="r",
+                               progress=True, progress_seconds=1e-6)
+        assert logger._bar is None
+        lines = _lines_from(logger, caplog)
+    finally:
+        err.close()
+        os.close(master)
+    assert len(lines) == 4 and lines[-1].startswith("step 4/4 (100%), loss 2.5, tok/s ")
+
+
+def test_columns_zero_gets_the_periodic_line(tmp_path, caplog, monkeypatch):
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stderr", Tty())
+    monkeypatch.setenv("COLUMNS", "0")
+    logger = MetricsLogger(_acc(), tmp_path, total_steps=4, start_step=0, tensorboard=False, run_name="r",
+                           progress=True, progress_seconds=1e-6)
+    assert logger._bar is None
+    lines = _lines_from(logger, caplog)
+    assert len(lines) == 4 and lines[1].startswith("step 2/4 (50%), loss 2.5, tok/s ")

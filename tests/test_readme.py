@@ -9,13 +9,55 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _literal_escapes(line: str) -> list[str]:
+    """The words of a bash command line that pass a backslash and `n` or `t` to the program where
+    a reader expects a newline or tab: inside "..." or '...' (bash keeps the backslash there) or
+    unquoted (bash drops it). Only $'...' turns \\n and \\t into the real characters. A comment
+    (an unquoted # starting a word) ends the command."""
+    found, i, n = [], 0, len(line)
+    while i < n:
+        c = line[i]
+        if c == "#" and (i == 0 or line[i - 1].isspace()):
+            break
+        if c == "$" and line.startswith("$'", i):  # ANSI-C quoting: escapes are real characters
+            i += 2
+            while i < n and line[i] != "'":
+                i += 2 if line[i] == "\\" else 1
+            i += 1
+        elif c in "'\"":
+            end = line.find(c, i + 1)
+            while c == '"' and end > 0 and line[end - 1] == "\\":  # \" inside "..."
+                end = line.find(c, end + 1)
+            end = n if end < 0 else end
+            word = line[i:end + 1]
+            if re.search(r"\\[nt]", word):
+                found.append(word)
+            i = end + 1
+        elif c == "\\":
+            if line[i + 1:i + 2] in ("n", "t"):
+                found.append(line[i:i + 2])
+            i += 2
+        else:
+            i += 1
+    return found
+
+
+def test_the_escape_check_tells_bash_quoting_apart():
+    assert _literal_escapes('encode "a\\nb"') == ['"a\\nb"']
+    assert _literal_escapes("encode 'def f(x):\\n\\treturn x'") == ["'def f(x):\\n\\treturn x'"]
+    assert _literal_escapes("encode a\\nb") == ["\\n"]
+    assert _literal_escapes("encode $'def f(x):\\n\\treturn x'   # bash $'...': a real newline, not '\\n'") == []
+    assert _literal_escapes("encode $'it\\'s\\n' 'plain' \"x\\\"y\"") == []
+    assert _literal_escapes("encode 'a' \"b\\tc\" $'\\n'") == ['"b\\tc"']
+
+
 def test_tokenizer_encode_examples_pass_real_newlines():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    lines = [ln for ln in readme.splitlines() if "tokenizer encode" in ln]
-    assert lines
+    lines = [ln for ln in readme.splitlines() if "tokenizer encode" in ln or "--prompt" in ln]
+    assert any("tokenizer encode" in ln for ln in lines)
     for ln in lines:
-        # a "..." argument holding \n or \t reaches the tokenizer as a backslash and a letter
-        assert not re.search(r'"[^"]*\\[nt][^"]*"', ln), ln
+        # "a\nb" and 'a\nb' reach the program as a backslash and a letter; $'a\nb' as a newline
+        assert not _literal_escapes(ln), ln
 
 
 def _all_parsers():

@@ -72,17 +72,30 @@ def test_trainer_applies_train_num_threads(tmp_path, monkeypatch):
     PartialState._reset_state()
 
 
-def test_dataloader_workers_run_one_thread():
-    from omniloom.data.stream import _one_thread_worker
+def test_dataloader_workers_run_one_thread(monkeypatch):
+    """The stream's DataLoader gets a worker_init_fn that sets one torch thread. (torch 2.x also sets
+    one in its workers; this pins that the loader asks for it, whatever the parent's count.)"""
+    from omniloom.data import stream
+    from omniloom.data.config import DataConfig
 
-    class Probe(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            yield torch.get_num_threads()
+    built = []
 
+    def fake_dataloader(dataset, **kwargs):
+        built.append(kwargs)
+        return iter(())
+
+    monkeypatch.setattr(torch.utils.data, "DataLoader", fake_dataloader)
+    monkeypatch.setattr(stream, "_guard_worker", lambda: None)  # signal handlers belong in a worker only
+    loader = stream.StreamLoader([], DataConfig(num_workers=2), lambda doc, media: None, rank=0, world_size=1,
+                                 pad_id=0, patch_dim=24)
+    assert list(loader) == [] and len(built) == 1 and built[0]["num_workers"] == 2
+    init = built[0].get("worker_init_fn")
+    assert init is not None, "the loader's workers get no worker_init_fn"
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(3)  # what a worker inherits from a parent running 3 threads
     try:
-        got = list(torch.utils.data.DataLoader(Probe(), batch_size=None, num_workers=1, worker_init_fn=_one_thread_worker))
+        init(0)
+        in_worker = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    assert got == [1]
+    assert in_worker == 1

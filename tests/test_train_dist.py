@@ -29,6 +29,9 @@ STANDIN = Path(__file__).with_name("test_train_standin.py")
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 CPU_2PROC = presets_dir() / "accelerate" / "cpu_2proc.yaml"
 COMMON = ["train.num_steps=12", "checkpoint.every=4", "checkpoint.keep_last=5", "data.num_workers=2"]
+# What DDP's reducer prints on every rank when train.find_unused_parameters=true finds nothing unused
+# (it costs an autograd traversal each step; the default is false)
+DDP_UNUSED_WARNING = "find_unused_parameters=True was specified in DDP constructor"
 
 
 def _env():
@@ -56,7 +59,8 @@ def _losses(run_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    _run(_launch_cmd(out, *COMMON))
+    proc = _run(_launch_cmd(out, *COMMON))
+    (out / "launch_output.txt").write_text(proc.stdout + proc.stderr)
     return out
 
 
@@ -74,6 +78,8 @@ def test_two_process_cpu_launch_world_size_and_identical_parameters(reference_ru
     assert sorted(p.name for p in ckpt.glob("data_rank*.pt")) == ["data_rank00000.pt", "data_rank00001.pt"]
     losses = _losses(reference_run)
     assert sorted(losses) == list(range(1, 13)) and losses[12] < losses[1]
+    output = (reference_run / "launch_output.txt").read_text()
+    assert DDP_UNUSED_WARNING not in output, output[-3000:]
 
 
 def test_sigkill_mid_training_then_resume_auto_matches_uninterrupted_run(reference_run, tmp_path):
@@ -159,6 +165,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert [r["stopped_by"] for r in results] == ["signal", "signal"]
     assert results[0]["step"] == results[1]["step"]
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [f"step_{results[0]['step']:08d}"]
+    assert DDP_UNUSED_WARNING not in output, output[-3000:]
 
 
 _GRAD_CHECK = '''

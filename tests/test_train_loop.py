@@ -305,6 +305,32 @@ def test_loss_falls_and_metrics_are_logged(tmp_path):
     assert ckpt_mod.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000020"
 
 
+def test_training_logs_progress_lines_with_tokens_per_second(tmp_path, caplog):
+    """Issue 15.6: without a terminal the loop itself reports progress (a periodic line; the last
+    step always), with the step, the loss, the learning rate and tokens/s."""
+    import logging
+
+    trainer = _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=0", "logging.progress_seconds=0.000001")
+    with caplog.at_level(logging.INFO, logger="omniloom.pretrain.metrics"):
+        trainer.fit()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 1/2 (50%), loss ") and "left ~" in lines[0]
+    assert re.match(r"step 2/2 \(100%\), loss [\d.]+, lr [\d.e-]+, tok/s [\d,]+, elapsed \d+s$", lines[1]), lines[1]
+
+
+def test_ddp_does_not_search_for_unused_parameters_by_default(tmp_path):
+    """Every parameter gets a gradient each step (tests/test_model.py), so DDP runs without the
+    extra autograd traversal of find_unused_parameters=True, in every preset."""
+    from omniloom.pretrain.config import list_presets
+    from omniloom.pretrain.train import make_accelerator
+
+    for preset in [None, *list_presets()]:
+        assert load_config(preset).train.find_unused_parameters is False, preset
+    acc = make_accelerator(load_config(None, standin.base_overrides(tmp_path)))
+    assert acc.ddp_handler.find_unused_parameters is False
+
+
 def test_grad_accum_loss_is_the_mean_over_all_labels_not_a_mean_of_means(tmp_path):
     # Two micro-batches with very different label counts (a patch-heavy row has few labels): the
     # step's gradient and logged loss must be those of one batch holding both, mean over its labels.
