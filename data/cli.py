@@ -25,16 +25,20 @@ inputs:
   (--standalone-referenced changes that; otherwise its caption sidecar is listed in rejects.jsonl).
 
 policies:
-  text is UTF-8 unless a BOM (UTF-8/16/32) or, for HTML, a declared charset (<meta charset>,
-  http-equiv Content-Type, <?xml encoding>) says otherwise; nothing is guessed. Bytes that do not
-  decode follow --bad-utf8; NUL bytes reject the file (--nul).
+  text encoding: a BOM (UTF-8/16/32) decides; else, for HTML, a declared charset (<meta charset>,
+  http-equiv Content-Type, <?xml encoding>); else bytes that are valid UTF-8 are UTF-8; else
+  (text, code, HTML and .txt captions, not JSON) the encoding is detected and used only when the
+  guess is confident (--undeclared-encoding), counted as encoding-detected and recorded in the
+  document's meta (encoding, encoding_source). Bytes that still do not decode follow --bad-utf8;
+  NUL bytes reject the file (--nul). JSONL and .json sidecars are UTF-8 by specification.
   file names that are not UTF-8 are kept, written in JSON with each undecodable byte as \\xNN.
   NaN/Infinity in JSONL or sidecar JSON become null (counted as non-finite-number).
   media references must stay inside their SOURCE folder (no '..', no symlinks out).
   a document with a bad media segment keeps the rest (--on-bad-media drop-segment) or is dropped.
   exact duplicates (same prose up to whitespace, same code byte for byte, same media bytes) are
   dropped (--no-dedup keeps them).
-  every rejection is a line of DIR/rejects.jsonl with the input path and the reason.
+  every rejection is a line of DIR/rejects.jsonl with the input path and the reason; so is each
+  notice about an input that was kept (encoding-detected, non-finite-number).
 
 output: DIR/NAME-000000.tar ... (WebDataset, one sample per document), DIR/manifest.json,
 DIR/rejects.jsonl. Same inputs and settings give byte-identical shards for any --workers.
@@ -74,6 +78,10 @@ def register(sub) -> None:
     b.add_argument("--no-dedup", action="store_true", help="keep exact duplicate documents")
     b.add_argument("--standalone-referenced", action="store_true", help="also make media referenced by HTML/JSONL documents standalone image/video documents")
     b.add_argument("--bad-utf8", choices=("reject", "replace"), default="reject", help="text that is not valid UTF-8: reject the file (default) or replace bad bytes with U+FFFD")
+    b.add_argument("--undeclared-encoding", choices=("detect", "utf-8"), default="detect",
+                   help="text with no BOM and no declared charset that is not valid UTF-8: detect its legacy encoding "
+                        "(windows-1252, Shift_JIS, GB18030, ...) and keep it when the guess is confident, counted as "
+                        "encoding-detected (default), or treat it as bad UTF-8 (utf-8); an unconfident guess follows --bad-utf8")
     b.add_argument("--nul", choices=("reject", "strip"), default="reject", help="text with NUL bytes: reject it as binary (default) or strip the NULs")
     b.add_argument("--max-text-bytes", type=_size, default="16M", help="largest text/code/HTML file or JSONL line (default 16M)")
     b.add_argument("--max-image-pixels", type=int, default=8192 * 8192, help="decompression-bomb guard, checked before decoding (default 67108864 = 8192x8192)")
@@ -156,7 +164,7 @@ def _build(args) -> int:
     from .validate import TextPolicy
 
     ingest = IngestSettings(
-        text=TextPolicy(bad_utf8=args.bad_utf8, nul=args.nul, max_bytes=args.max_text_bytes),
+        text=TextPolicy(bad_utf8=args.bad_utf8, nul=args.nul, max_bytes=args.max_text_bytes, undeclared_encoding=args.undeclared_encoding),
         limits=MediaLimits(
             max_image_pixels=args.max_image_pixels, min_image_side=args.min_image_side, max_image_aspect=args.max_image_aspect,
             max_image_bytes=args.max_image_bytes, min_video_seconds=args.min_video_seconds, max_video_seconds=args.max_video_seconds,
@@ -194,11 +202,16 @@ def format_summary(out: str, s: dict) -> str:
         f" in {s['seconds']:.1f}s ({s['documents'] / secs:.1f} docs/s, {s['bytes'] / secs / 1e6:.2f} MB/s){' (resumed)' if s.get('resumed') else ''}",
         "segments: " + ", ".join(f"{k} {v}" for k, v in s["segments"].items()),
     ]
-    rej = s["rejects"]
+    from .ingest import NOTICE_CODES
+
+    rej = {k: v for k, v in s["rejects"].items() if k not in NOTICE_CODES}
+    notes = {k: v for k, v in s["rejects"].items() if k in NOTICE_CODES}
     if rej:
         lines.append(f"rejected: {sum(rej.values())} (" + ", ".join(f"{k} {v}" for k, v in rej.items()) + f"); details in {out}/rejects.jsonl")
     else:
         lines.append("rejected: 0")
+    if notes:  # inputs kept, with something done to them (an encoding guessed, NaN nulled)
+        lines.append("notices: " + ", ".join(f"{k} {v}" for k, v in notes.items()) + f" (inputs kept; details in {out}/rejects.jsonl)")
     return "\n".join(lines)
 
 

@@ -25,8 +25,8 @@ from .validate import (
     Reject,
     TextPolicy,
     check_unicode_text,
+    decode_bytes,
     decode_text,
-    decode_text_info,
     document_fingerprint,
     json_safe,
     loads_finite,
@@ -56,7 +56,11 @@ CODE_NAMES = {"Makefile": "makefile", "Dockerfile": "dockerfile", "CMakeLists.tx
 # Note: ".ts" is TypeScript unless its head is an MPEG transport stream (see _looks_like_text).
 _TS_PACKET = 188
 _TS_SNIFF_PACKETS = 5
+_TS_MIN_PACKETS = 3  # PAT, PMT and one packet of data: a file that holds fewer is not a transport stream
 CAPTION_KEYS = ("caption", "text", "alt", "title", "description")
+# rejects.jsonl codes whose input is not dropped: the line records what was done to it (its
+# `action`), and the build summary lists them apart from the rejections.
+NOTICE_CODES = ("encoding-detected", "non-finite-number")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,8 +234,10 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
 
 def _looks_like_text(path: str) -> bool:
     """A `.ts` file is TypeScript (code) unless it is an MPEG transport stream. Text that decodes
-    wins; otherwise it is a transport stream only if the 0x47 sync byte starts every 188-byte packet
-    of its head (one byte alone is a `G`, as in `GLOBAL = 1;`)."""
+    as UTF-8 wins; otherwise it is a transport stream only if it holds at least `_TS_MIN_PACKETS`
+    188-byte packets and the 0x47 sync byte starts every packet of its head (up to
+    `_TS_SNIFF_PACKETS`; one byte alone is a `G`, as in `GLOBAL = 1;`). Anything else is code,
+    decoded under the usual rules (a legacy encoding is detected or the file is rejected)."""
     try:
         with open(path, "rb") as f:
             head = f.read(_TS_PACKET * _TS_SNIFF_PACKETS)
@@ -244,8 +250,10 @@ def _looks_like_text(path: str) -> bool:
         except UnicodeDecodeError as err:
             if err.start >= len(head) - 3 and err.reason == "unexpected end of data":
                 return True  # a multi-byte character cut by the sniff window
-    strides = range(0, len(head), _TS_PACKET)
-    return not all(head[i] == 0x47 for i in strides)
+    packets = len(head) // _TS_PACKET
+    if packets < _TS_MIN_PACKETS:
+        return True
+    return not all(head[i * _TS_PACKET] == 0x47 for i in range(packets))
 
 
 def _real(path: str) -> str:
@@ -261,6 +269,7 @@ def _html_refs(root: str, full: str, limit: int) -> set[str]:
             return set()  # the page is rejected as too-large when processed; never read it whole
         with open(full, "rb") as f:
             data = f.read(limit + 1)
+        # Default encoding rules (detection included) so the references match what the build reads.
         text = decode_text(data, TextPolicy(bad_utf8="replace", nul="strip", max_bytes=len(data) + 1), what="HTML page", html=True)
         segments, _ = extract_html(text)
     except Exception:  # noqa: BLE001 - the unit itself reports the problem when processed
@@ -378,7 +387,7 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
     k = unit.kind
     if k in ("text", "code"):
         data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what=f"{k} file")
-        text = decode_text(data, st.text, what=f"{k} file")
+        text = _decode(unit, data, st, rejects, meta, what=f"{k} file")
         seg = {"type": "text", "text": text} if k == "text" else {"type": "code", "lang": unit.lang, "text": text}
         return [seg], meta
     if k in ("image", "video", "other"):
@@ -387,7 +396,7 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         segments = [{"type": kind, "path": unit.rel, "_abs": real, "_standalone": True}]
         if unit.sidecar:
             try:
-                caption, side_meta = _read_sidecar(unit, st, rejects)
+                caption, side_meta = _read_sidecar(unit, st, rejects, meta)
                 meta["caption_source"] = unit.sidecar
                 if side_meta:
                     meta["sidecar"] = side_meta
@@ -398,18 +407,16 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         return segments, meta
     if k == "html":
         data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what="HTML page")
-        text, encoding = decode_text_info(data, st.text, what="HTML page", html=True)
+        text = _decode(unit, data, st, rejects, meta, what="HTML page", html=True)
         segments, page_meta = extract_html(text)
         meta.update(page_meta)
-        if encoding != "utf-8":
-            meta["encoding"] = encoding  # provenance: the page was not UTF-8
         return segments, meta
     if k == "jsonl":
         real = real_file_inside(unit.root, os.path.join(unit.root, unit.rel), what="JSONL file")
         if unit.length > st.text.max_bytes:  # discovery rejects these; a file grown since is caught here
             raise Reject("too-large", f"JSONL line {unit.line} is {unit.length} bytes, above --max-text-bytes {st.text.max_bytes}")
         raw = _read_file(real, "JSONL file", unit.offset, unit.length)
-        line = decode_text(raw, st.text, what=f"JSONL line {unit.line}")
+        line = decode_text(raw, st.text, what=f"JSONL line {unit.line}", strict_utf8=True)  # JSON is UTF-8
         try:
             obj, nulled = loads_finite(line)
         except json.JSONDecodeError as err:
@@ -427,16 +434,37 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
     raise AssertionError(f"unknown unit kind {k}")
 
 
+def _decode(unit: Unit, data: bytes, st: IngestSettings, rejects: list, meta: dict, *, what: str, html: bool = False,
+            ref: str | None = None, prefix: str = "") -> str:
+    """Decode a text/code file, HTML page or caption under the text policy. Provenance goes to
+    `meta`: `{prefix}encoding` (the Python codec) and `{prefix}encoding_source` ("bom", "declared"
+    or "detected") whenever the text was not UTF-8. A detected encoding is also a counted
+    `encoding-detected` line in rejects.jsonl (action `decoded`), so guesses are visible."""
+    d = decode_bytes(data, st.text, what=what, html=html)
+    if d.codec != "utf-8":
+        meta[prefix + "encoding"] = d.codec
+        meta[prefix + "encoding_source"] = d.source
+    if d.source == "detected":
+        declare = ", or declare its charset," if html else ""
+        rejects.append(_reject(unit, Reject(
+            "encoding-detected",
+            f"{what} has no byte-order mark{' or declared charset' if html else ''} and is not valid UTF-8; decoded as {d.codec} by "
+            f"detection ({d.detection.describe()}). Convert it to UTF-8{declare} to make this certain, or pass "
+            "--undeclared-encoding utf-8 to reject such files",
+        ), action="decoded", ref=ref))
+    return d.text
+
+
 def _nonfinite(n: int, where: str) -> Reject:
     return Reject("non-finite-number", f"{where} holds {n} NaN/Infinity value(s), which strict JSON has no form for; "
                   "written as null, the rest of the document kept")
 
 
-def _read_sidecar(unit: Unit, st: IngestSettings, rejects: list) -> tuple[str, dict]:
+def _read_sidecar(unit: Unit, st: IngestSettings, rejects: list, meta: dict) -> tuple[str, dict]:
     data = _read_checked(unit, unit.sidecar, limit=st.text.max_bytes, what="caption sidecar")
-    text = decode_text(data, st.text, what="caption sidecar")
     if unit.sidecar.endswith(".txt"):
-        return text.strip(), {}
+        return _decode(unit, data, st, rejects, meta, what="caption sidecar", ref=unit.sidecar, prefix="caption_").strip(), {}
+    text = decode_text(data, st.text, what="caption sidecar", strict_utf8=True)  # JSON is UTF-8
     try:
         obj, nulled = loads_finite(text)
     except json.JSONDecodeError as err:

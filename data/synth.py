@@ -211,8 +211,14 @@ def make_bad_corpus(root: str | Path) -> dict[str, str]:
     expected["bad/cutindex.mp4"] = "truncated-video"
     make_audio_only(bad / "voice.mp4")
     expected["bad/voice.mp4"] = "audio-only"
-    (bad / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
-    expected["bad/latin1.txt"] = "bad-utf8"
+    # An undeclared legacy encoding is detected and kept (a counted notice); bytes that only look
+    # like text to no encoding (controls and high bytes, no NULs) are still bad UTF-8.
+    (bad / "latin1.txt").write_bytes(
+        "Le matin, la boulang\xe8re ouvre sa boutique \xe0 six heures. Les croissants sont encore ti\xe8des "
+        "quand arrive un \xe9tudiant press\xe9 qui commande un caf\xe9 cr\xe8me, comme toujours.\n".encode("latin-1"))
+    expected["bad/latin1.txt"] = "encoding-detected"
+    (bad / "undecodable.txt").write_bytes(bytes((i * 151 + 7) % 255 + 1 for i in range(512)))
+    expected["bad/undecodable.txt"] = "bad-utf8"
     (bad / "nul.py").write_bytes(b"print(1)\x00\x00\n")
     expected["bad/nul.py"] = "nul-bytes"
     make_image(bad / "thin.png", size=(400, 16), seed=5)

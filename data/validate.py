@@ -15,7 +15,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from .textenc import bom_encoding, html_declared_encoding
+from .textenc import Detection, bom_encoding, detect_encoding, html_declared_encoding
 
 SEGMENT_TYPES = ("text", "code", "image", "video")
 MEDIA_TYPES = ("image", "video")
@@ -38,31 +38,55 @@ class TextPolicy:
     bad_utf8: "reject" (default: the file is probably not text, or mis-encoded) or "replace"
     (invalid sequences become U+FFFD). nul: "reject" (NUL bytes in prose or code almost always mean a
     binary file with a text extension) or "strip". A byte-order mark (UTF-8, UTF-16, UTF-32) picks
-    the encoding and is removed; an HTML page's declared charset is honoured (see `textenc`); the
-    policy then applies to whatever that encoding cannot decode. Line endings and whitespace are
-    kept byte for byte (code depends on them).
+    the encoding and is removed; an HTML page's declared charset is honoured (see `textenc`); bytes
+    that are valid UTF-8 are UTF-8. undeclared_encoding: what happens to bytes with neither that are
+    not valid UTF-8: "detect" (default: `textenc.detect_encoding`, used only when confident) or
+    "utf-8" (no guessing). The bad_utf8 policy then applies to whatever is still undecodable. Line
+    endings and whitespace are kept byte for byte (code depends on them).
     """
 
     bad_utf8: str = "reject"
     nul: str = "reject"
     max_bytes: int = 16 << 20
+    undeclared_encoding: str = "detect"
 
     def __post_init__(self):
         if self.bad_utf8 not in ("reject", "replace"):
             raise ValueError(f"bad_utf8 must be 'reject' or 'replace', got {self.bad_utf8!r}")
         if self.nul not in ("reject", "strip"):
             raise ValueError(f"nul must be 'reject' or 'strip', got {self.nul!r}")
+        if self.undeclared_encoding not in ("detect", "utf-8"):
+            raise ValueError(f"undeclared_encoding must be 'detect' or 'utf-8', got {self.undeclared_encoding!r}")
 
 
-def decode_text(data: bytes, policy: TextPolicy, *, what: str = "file", html: bool = False) -> str:
+@dataclass(frozen=True)
+class Decoded:
+    """Text and where its encoding came from. `source`: "utf-8" (nothing declared, UTF-8 bytes, or
+    UTF-8 with U+FFFD under --bad-utf8 replace), "bom", "declared" (an HTML page's charset) or
+    "detected" (`detection` holds the measures)."""
+
+    text: str
+    codec: str
+    source: str
+    detection: Detection | None = None
+
+
+def decode_text(data: bytes, policy: TextPolicy, *, what: str = "file", html: bool = False, strict_utf8: bool = False) -> str:
     """Decode `data` under `policy` (encoding chosen by `textenc`: a BOM, else for HTML the page's
-    declared charset, else UTF-8); raise Reject for empty, oversized, NUL-bearing or mis-encoded
-    input."""
-    return decode_text_info(data, policy, what=what, html=html)[0]
+    declared charset, else UTF-8, else a confident detection); raise Reject for empty, oversized,
+    NUL-bearing or mis-encoded input. `strict_utf8` (JSON, which is UTF-8 by specification) skips
+    detection."""
+    return decode_bytes(data, policy, what=what, html=html, strict_utf8=strict_utf8).text
 
 
 def decode_text_info(data: bytes, policy: TextPolicy, *, what: str = "file", html: bool = False) -> tuple[str, str]:
     """`decode_text`, returning (text, the Python codec used)."""
+    d = decode_bytes(data, policy, what=what, html=html)
+    return d.text, d.codec
+
+
+def decode_bytes(data: bytes, policy: TextPolicy, *, what: str = "file", html: bool = False, strict_utf8: bool = False) -> Decoded:
+    """`decode_text`, returning a `Decoded` (text, codec, and whether it was declared or detected)."""
     if len(data) == 0:
         raise Reject("empty", f"zero-byte {what}")
     if len(data) > policy.max_bytes:
@@ -70,13 +94,16 @@ def decode_text_info(data: bytes, policy: TextPolicy, *, what: str = "file", htm
     how = "UTF-8, the default"
     bom = bom_encoding(data)
     declared = html_declared_encoding(data) if html and not bom else None
+    source, detection = "utf-8", None
     if bom:
         codec, n = bom
         data = data[n:]
         how = "its byte-order mark"
+        source = "bom"
     elif declared:
         codec, label = declared
         how = f"its declared charset {label!r}"
+        source = "declared"
     else:
         codec = "utf-8"
     wide = codec.startswith(("utf-16", "utf-32"))  # NUL bytes are part of every character there
@@ -90,21 +117,35 @@ def decode_text_info(data: bytes, policy: TextPolicy, *, what: str = "file", htm
             )
         data = data.replace(b"\x00", b"")
     try:
-        text = data.decode(codec)
+        text = data.decode(codec)  # valid UTF-8 is decided here and never reaches the detector
     except UnicodeDecodeError as err:
-        if policy.bad_utf8 == "reject":
-            if codec == "utf-8" and not bom and not declared:
+        undeclared = source == "utf-8"
+        if undeclared and policy.undeclared_encoding == "detect" and not strict_utf8:
+            detection = detect_encoding(data, html=html)
+        if detection is not None and detection.codec:
+            codec, source = detection.codec, "detected"
+            text = data.decode(codec)  # detect_encoding checked that the whole input decodes
+        elif policy.bad_utf8 == "reject":
+            where = f"byte {err.start}: {err.reason}"
+            if undeclared and strict_utf8:
+                raise Reject("bad-utf8", f"{what} is not valid UTF-8 ({where}); JSON is UTF-8 by specification, so it is never "
+                             "guessed: re-encode it as UTF-8, or pass --bad-utf8 replace to keep it with U+FFFD replacements") from None
+            if undeclared:
+                declare = ", declare its charset (<meta charset>)," if html else ""
+                why = (f"its encoding was not detected with confidence ({detection.why})" if detection is not None
+                       else "--undeclared-encoding utf-8 guesses nothing")
                 raise Reject(
                     "bad-utf8",
-                    f"{what} is not valid UTF-8 (byte {err.start}: {err.reason}) and declares no other encoding; "
-                    "re-encode it as UTF-8, or pass --bad-utf8 replace to keep it with U+FFFD replacements",
+                    f"{what} is not valid UTF-8 ({where}), declares no other encoding, and {why}; "
+                    f"re-encode it as UTF-8{declare} or pass --bad-utf8 replace to keep it with U+FFFD replacements",
                 ) from None
             raise Reject(
                 "bad-encoding",
-                f"{what} is not valid {codec} (the encoding given by {how}; byte {err.start}: {err.reason}); "
+                f"{what} is not valid {codec} (the encoding given by {how}; {where}); "
                 "fix the file or its declaration, or pass --bad-utf8 replace to keep it with U+FFFD replacements",
             ) from None
-        text = data.decode(codec, errors="replace")
+        else:
+            text = data.decode(codec, errors="replace")
     if wide and "\x00" in text:
         if policy.nul == "reject":
             raise Reject("nul-bytes", f"{what} contains NUL characters (first at character {text.index(chr(0))}); it is probably binary. "
@@ -112,7 +153,7 @@ def decode_text_info(data: bytes, policy: TextPolicy, *, what: str = "file", htm
         text = text.replace("\x00", "")
     if not text.strip():
         raise Reject("empty", f"{what} holds only whitespace")
-    return text, codec
+    return Decoded(text, codec, source, detection if source == "detected" else None)
 
 
 def loads_finite(text: str) -> tuple[object, int]:
