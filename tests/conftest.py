@@ -16,6 +16,25 @@ _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """`omniloom.pretrain.cli.main` configures the root logger for the process it runs in (a
+    handler on the stderr of the moment, INFO level). In a test that stream is pytest's capture,
+    closed when the test ends: a later test's INFO line would print '--- Logging error ---'."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in root.handlers:
+        if h not in handlers:
+            root.removeHandler(h)
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
 
