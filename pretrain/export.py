@@ -19,6 +19,7 @@ payloads by DCP's weights_only loader. `omniloom.model.load_pretrained(DIR)` reb
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import logging
@@ -302,6 +303,22 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
                          model_config=cfg.model, force=force)  # the training backend is recorded; load_pretrained adapts it
     result.checkpoint = ckpt
     return result
+
+
+def check_export_tokenizer(export_dir: str | Path, tok, where: str | Path | None = None) -> None:
+    """Refuse a tokenizer other than the one the export was made with: `config.json` records its
+    tokenizer.model's sha256, and a swapped tokenizer folder (both files replaced together, or
+    `--tokenizer` pointing elsewhere) would give the model other ids without any other error. An
+    export that records no hash (older omniloom) is not checked."""
+    from omniloom.model.pretrained import read_export_config
+
+    want = (read_export_config(export_dir).get("tokenizer") or {}).get("model_sha256")
+    got = tok.to_json()["model_sha256"]
+    if want and got != want:
+        src = Path(where) if where is not None else Path(export_dir)
+        raise ValueError(f"the tokenizer in {src} is not the one {Path(export_dir) / 'config.json'} was exported with "
+                         f"(tokenizer.model sha256 {got[:12]}..., recorded {want[:12]}...); use the export's own "
+                         "tokenizer files")
 
 
 def check_export_dir(out: Path, force: bool) -> None:

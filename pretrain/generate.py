@@ -256,6 +256,9 @@ def generate_from_export(model_dir: str | Path, prompt: str = "", *, image: str 
 
     read_export_config(model_dir)
     tok = Tokenizer.load(model_dir)
+    from .export import check_export_tokenizer
+
+    check_export_tokenizer(model_dir, tok)
     media = {}
     for name, path in (("image", image), ("video", video)):
         if path is not None:

@@ -246,3 +246,27 @@ def test_sha_is_checked_by_train_eval_generate_and_cli(tok_dir, swapped, tmp_pat
         assert main(["-q", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert "tokenizer.model does not belong" in err and err.count("\n") == 1, (argv, err)
+
+
+def test_an_export_refuses_a_whole_other_tokenizer_folder(tok_dir, swapped, tmp_path, capsys):
+    """A swapped tokenizer.model whose metadata was swapped with it passes the folder's own hash
+    check, but it is not the tokenizer the export's config.json recorded: eval and generate gave
+    the model other ids without a word. They now refuse, as does eval's --tokenizer elsewhere."""
+    from omniloom.pretrain.cli import main
+    from omniloom.pretrain.evaluate import open_model
+
+    other = tmp_path / "other"  # the tokenizer trained by the `swapped` fixture: a valid folder of its own
+    export = tmp_path / "export"
+    _tiny_export(tok_dir, export)
+    for name in ("tokenizer.model", "omniloom_tokenizer.json"):
+        shutil.copyfile(other / name, export / name)
+    assert Tokenizer.load(export).vocab_size == Tokenizer.load(tok_dir).vocab_size  # loads on its own
+    for argv in (["eval", str(export), "--data", str(tmp_path)], ["generate", str(export), "--prompt", "x"]):
+        assert main(["-q", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert "is not the one" in err and "config.json was exported with" in err and err.count("\n") == 1, (argv, err)
+    good = tmp_path / "good"
+    _tiny_export(tok_dir, good)
+    assert open_model(good)[1].vocab_size == Tokenizer.load(tok_dir).vocab_size
+    with pytest.raises(ValueError, match=r"the tokenizer in .*other is not the one"):
+        open_model(good, tokenizer=other)
