@@ -173,10 +173,10 @@ def _summary(out: Path, timings: dict) -> None:
 def register(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="run the whole pipeline on an embedded demo corpus (CPU; ~5 minutes on an idle 2-core machine)",
+        help="run the whole pipeline on an embedded demo corpus (CPU; ~3 minutes on an idle 2-core machine)",
         description="Demo corpus -> data build -> tokenizer train -> `omniloom launch` (accelerate) training of a tiny "
-        "sparse-attention MoE -> eval -> export -> generate from an image -> HTML report. Takes about 5 minutes "
-        "on an idle 2-core machine (training is ~4 of them; 4 min 18 s measured, BENCHMARKS.md), several times "
+        "sparse-attention MoE -> eval -> export -> generate from an image -> HTML report. Takes about 3 minutes "
+        "on an idle 2-core machine (2 min 58 s measured, training 2 min 42 s of it; BENCHMARKS.md), several times "
         "longer when other jobs share the cores. Training shows a progress bar on a terminal, else a line every "
         "30 s (step, loss, tokens/s, time left). Finished stages are skipped on a re-run (use --fresh to start over).",
     )
