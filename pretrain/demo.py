@@ -123,14 +123,41 @@ def run_demo(out: Path, *, steps: int, processes: int, overrides: list[str], fre
             continue
         print(f"[demo] {stage.name}: {' '.join(shlex.quote(a) for a in stage.argv)}", flush=True)
         start = time.time()
-        proc = subprocess.run(stage.argv, env={**env, **stage.env})
+        try:
+            code = run_stage(stage.argv, {**env, **stage.env})
+        except KeyboardInterrupt:
+            print(f"[demo] stopped during {stage.name}: finished stages are kept (a cut-off training resumes from "
+                  f"its last checkpoint); run `omniloom demo --out {out}` again to continue.", file=sys.stderr)
+            return 130
         timings[stage.name] = round(time.time() - start, 1)
-        if proc.returncode != 0:
-            print(f"[demo] {stage.name} failed with exit code {proc.returncode}; fix the error above and run "
+        if code == 0 and not stage.done():  # the training stopped by a signal (it saved and exited 0)
+            print(f"[demo] {stage.name} stopped before its end ({stage.done_when.name} is not there): finished "
+                  f"stages are kept; run `omniloom demo --out {out}` again to continue.", file=sys.stderr)
+            return 130
+        if code != 0:
+            print(f"[demo] {stage.name} failed with exit code {code}; fix the error above and run "
                   f"`omniloom demo --out {out}` again: finished stages are kept.", file=sys.stderr)
-            return proc.returncode
+            return code
     _summary(out, timings)
     return 0
+
+
+def run_stage(argv: list[str], env: dict) -> int:
+    """Run one stage; its exit code. Ctrl-C reaches the stage too (same process group), and the
+    stage does what it does on SIGINT (the training finishes its step, saves a checkpoint and
+    exits 0): it is waited for, not killed as `subprocess.run` would after 0.25 s, and the
+    KeyboardInterrupt is raised once it has stopped. A second Ctrl-C kills it."""
+    proc = subprocess.Popen(argv, env=env)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        print("[demo] interrupted: letting the stage stop cleanly (Ctrl-C again to kill it)", file=sys.stderr, flush=True)
+        try:
+            proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 def _summary(out: Path, timings: dict) -> None:

@@ -94,3 +94,46 @@ def test_summary_prints_eval_figures_with_four_significant_digits(tmp_path, caps
     out = capsys.readouterr().out
     assert "held-out loss (omniloom eval, 298 documents, nats/token): all 0.3296, text 0.3178" in out
     assert "image +1.627, video n/a" in out and "0.3295930972540403" not in out
+
+
+def test_ctrl_c_lets_a_stage_stop_cleanly_and_the_demo_says_how_to_continue(tmp_path):
+    """Ctrl-C goes to the demo and its stage alike. subprocess.run killed the stage 0.25 s later,
+    before a training could save its checkpoint, and the demo died with a traceback. Now the
+    stage's own SIGINT handling runs to its end, and the demo exits 130 with one line."""
+    import os
+    import signal
+    import time
+
+    marker, ready = tmp_path / "saved", tmp_path / "ready"
+    stage = ("import signal, sys, time\n"
+             "def stop(*_):\n    time.sleep(1.0)\n"  # a checkpoint being written
+             f"    open({str(marker)!r}, 'w').write('ok')\n    sys.exit(0)\n"
+             f"signal.signal(signal.SIGINT, stop)\nopen({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
+    # a shell's background job starts with SIGINT ignored; a terminal's foreground demo does not
+    driver = ("import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from pathlib import Path\nimport omniloom.pretrain.demo as demo\n"
+              "demo.demo_stages = lambda out, **kw: [demo.Stage('train', [sys.executable, '-c', sys.argv[1]], "
+              "Path(sys.argv[2]) / 'never')]\n"
+              "sys.exit(demo.run_demo(Path(sys.argv[2]), steps=1, processes=1, overrides=[], fresh=False))\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver, stage, str(tmp_path / "out")], start_new_session=True,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    _, err = proc.communicate(timeout=60)
+    assert marker.read_text() == "ok"  # the stage finished its own shutdown
+    assert proc.returncode == 130, err
+    assert "stopped during train" in err and "Traceback" not in err, err
+
+
+def test_a_stage_that_exits_0_before_its_end_stops_the_demo(tmp_path, capsys, monkeypatch):
+    """A training stopped by SIGTERM saves and exits 0: the demo went on to evaluate and export
+    the half-trained model. A stage whose output is not there stops the demo, saying so."""
+    import omniloom.pretrain.demo as demo
+
+    stages = [demo.Stage("train", [sys.executable, "-c", "pass"], tmp_path / "never"),
+              demo.Stage("eval", [sys.executable, "-c", "raise SystemExit(5)"], tmp_path / "eval.json")]
+    monkeypatch.setattr(demo, "demo_stages", lambda out, **kw: stages)
+    assert demo.run_demo(tmp_path / "out", steps=1, processes=1, overrides=[], fresh=False) == 130
+    assert "train stopped before its end (never is not there)" in capsys.readouterr().err
