@@ -68,10 +68,9 @@ def open_model(path: str | Path, *, device: str = "cpu", tokenizer: str | Path |
         from omniloom.model.pretrained import load_pretrained, read_export_config
 
         seq_len = (read_export_config(p).get("source") or {}).get("seq_len")
-        tok = Tokenizer.load(tokenizer or p)  # cheap, and checks tokenizer.model's sha256 first
-        from .export import check_export_tokenizer
+        from .export import load_export_tokenizer
 
-        check_export_tokenizer(p, tok, tokenizer or p)
+        tok = load_export_tokenizer(p, tokenizer)  # cheap, and checks the tokenizer before the model loads
         model = load_pretrained(p, device=device)
         return model, tok, seq_len
     from .export import load_checkpoint_model

@@ -19,7 +19,6 @@ payloads by DCP's weights_only loader. `omniloom.model.load_pretrained(DIR)` reb
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import logging
@@ -305,20 +304,30 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
     return result
 
 
-def check_export_tokenizer(export_dir: str | Path, tok, where: str | Path | None = None) -> None:
-    """Refuse a tokenizer other than the one the export was made with: `config.json` records its
-    tokenizer.model's sha256, and a swapped tokenizer folder (both files replaced together, or
-    `--tokenizer` pointing elsewhere) would give the model other ids without any other error. An
-    export that records no hash (older omniloom) is not checked."""
-    from omniloom.model.pretrained import read_export_config
+def load_export_tokenizer(export_dir: str | Path, tokenizer: str | Path | None = None):
+    """The Tokenizer of an export folder (or `tokenizer`, another folder, when given), refused
+    unless it is the one the export was made with: `config.json` records its tokenizer.model's
+    sha256, and a swapped tokenizer folder (both files replaced together, or `--tokenizer`
+    pointing elsewhere) would give the model other ids without any other error. The export's own
+    tokenizer files must not link out of the folder (as its weights must not). An export that
+    records no hash (older omniloom) is not compared."""
+    from omniloom.model.pretrained import _inside, read_export_config
+    from omniloom.tokenizers.text import Tokenizer
 
+    export_dir = Path(export_dir)
     want = (read_export_config(export_dir).get("tokenizer") or {}).get("model_sha256")
+    src = Path(tokenizer) if tokenizer is not None else export_dir
+    if tokenizer is None:
+        for name in TOKENIZER_FILES:
+            if (export_dir / name).exists() or (export_dir / name).is_symlink():
+                _inside(export_dir, export_dir / name)
+    tok = Tokenizer.load(src)  # checks tokenizer.model against the folder's own recorded sha256 first
     got = tok.to_json()["model_sha256"]
     if want and got != want:
-        src = Path(where) if where is not None else Path(export_dir)
-        raise ValueError(f"the tokenizer in {src} is not the one {Path(export_dir) / 'config.json'} was exported with "
+        raise ValueError(f"the tokenizer in {src} is not the one {export_dir / 'config.json'} was exported with "
                          f"(tokenizer.model sha256 {got[:12]}..., recorded {want[:12]}...); use the export's own "
                          "tokenizer files")
+    return tok
 
 
 def check_export_dir(out: Path, force: bool) -> None:

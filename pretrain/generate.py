@@ -251,14 +251,11 @@ def generate_from_export(model_dir: str | Path, prompt: str = "", *, image: str 
                          top_p: float = 1.0, seed: int = 0, device: str | None = None, use_cache: bool = True,
                          offload_b: bool = False) -> tuple[str, Generation]:
     """Load an export folder and its tokenizer, build the prompt, generate; returns (text, Generation)."""
-    from omniloom.model.pretrained import load_pretrained, read_export_config
-    from omniloom.tokenizers.text import Tokenizer
+    from omniloom.model.pretrained import load_pretrained
 
-    read_export_config(model_dir)
-    tok = Tokenizer.load(model_dir)
-    from .export import check_export_tokenizer
+    from .export import load_export_tokenizer
 
-    check_export_tokenizer(model_dir, tok)
+    tok = load_export_tokenizer(model_dir)  # reads config.json first: a folder that is no export says so
     media = {}
     for name, path in (("image", image), ("video", video)):
         if path is not None:

@@ -386,6 +386,21 @@ def test_a_file_linked_from_outside_the_export_folder_is_refused(export_dir, tmp
     assert "outside the export folder" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("what", ["tokenizer.model", "omniloom_tokenizer.json"])
+def test_tokenizer_files_linked_from_outside_the_export_folder_are_refused(export_dir, tmp_path, capsys, what):
+    """Issue 14 item 16 for the tokenizer files generate and eval read from an export folder."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    exp = _copy_export(export_dir, tmp_path / "exp")
+    (exp / what).rename(outside / what)
+    (exp / what).symlink_to(outside / what)
+    for argv in (["generate", str(exp), "--prompt", "hi", "--max-new-tokens", "1"],
+                 ["eval", str(exp), "--data", str(tmp_path)]):
+        assert main(["-qq", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{what} links to" in err and "outside the export folder" in err, err
+
+
 def test_links_inside_the_export_folder_and_a_linked_folder_still_load(export_dir, tmp_path):
     exp = _copy_export(export_dir, tmp_path / "exp")
     (exp / "model.safetensors").rename(exp / "weights.bin.safetensors")
