@@ -117,14 +117,17 @@ class IngestSettings:
 # --- discovery -------------------------------------------------------------------------------
 
 
-def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False, max_text_bytes: int = 16 << 20) -> list[Unit]:
+def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False, max_text_bytes: int = 16 << 20,
+             undeclared_encoding: str = "detect") -> list[Unit]:
     """Walk `sources` (folders, or single files) into units in a deterministic order.
 
     Hidden files and folders (dot-names) and the `exclude` paths (the build's own output) are
     skipped. Symlinked folders are not followed (they are reported). Media files that an HTML page
     or JSONL record in the same source references are not also made standalone documents unless
     `standalone_referenced`. Memory stays bounded by `max_text_bytes` (--max-text-bytes): JSONL
-    files are streamed in chunks, and a longer line or HTML page is never held whole here."""
+    files are streamed in chunks, and a longer line or HTML page is never held whole here. HTML
+    pages are decoded for their references as the build decodes them (`undeclared_encoding`, the
+    --undeclared-encoding setting)."""
     excluded = {os.path.realpath(p) for p in exclude}
     units: list[Unit] = []
     hidden = 0
@@ -169,7 +172,8 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
         else:
             root = os.path.dirname(os.path.abspath(source))
             files = [os.path.basename(source)]
-        units.extend(_units_for_files(source, root, sorted(files), standalone_referenced, max_text_bytes))
+        units.extend(_units_for_files(source, root, sorted(files), standalone_referenced, max_text_bytes,
+                                      undeclared_encoding))
         units[first:] = [replace(u, label=label) for u in units[first:]]
     if hidden:
         log.info("skipped %d hidden files/folders (names starting with '.')", hidden)
@@ -177,7 +181,8 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
     return units
 
 
-def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool, max_text_bytes: int) -> list[Unit]:
+def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool, max_text_bytes: int,
+                     undeclared_encoding: str = "detect") -> list[Unit]:
     fileset = set(files)
     units: list[Unit] = []
     referenced: set[str] = set()
@@ -201,7 +206,7 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
             media_units.append(Unit(source=source, root=root, rel=rel, kind="image" if ext in IMAGE_EXT else "video", sidecar=side))
         elif ext in HTML_EXT:
             units.append(Unit(source=source, root=root, rel=rel, kind="html"))
-            referenced |= _html_refs(root, full, max_text_bytes)
+            referenced |= _html_refs(root, full, max_text_bytes, undeclared_encoding)
         elif ext in JSONL_EXT:
             line_units, refs = _jsonl_units(source, root, rel, max_text_bytes)
             units.extend(line_units)
@@ -263,14 +268,16 @@ def _real(path: str) -> str:
         return ""
 
 
-def _html_refs(root: str, full: str, limit: int) -> set[str]:
+def _html_refs(root: str, full: str, limit: int, undeclared_encoding: str = "detect") -> set[str]:
     try:
         if os.path.getsize(full) > limit:
             return set()  # the page is rejected as too-large when processed; never read it whole
         with open(full, "rb") as f:
             data = f.read(limit + 1)
-        # Default encoding rules (detection included) so the references match what the build reads.
-        text = decode_text(data, TextPolicy(bad_utf8="replace", nul="strip", max_bytes=len(data) + 1), what="HTML page", html=True)
+        # The build's encoding rules, so the references match what it reads (bad bytes replaced: a
+        # page the build rejects still keeps its media from becoming standalone documents).
+        policy = TextPolicy(bad_utf8="replace", nul="strip", max_bytes=len(data) + 1, undeclared_encoding=undeclared_encoding)
+        text = decode_text(data, policy, what="HTML page", html=True)
         segments, _ = extract_html(text)
     except Exception:  # noqa: BLE001 - the unit itself reports the problem when processed
         return set()

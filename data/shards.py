@@ -221,7 +221,8 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
         "standalone_referenced": standalone_referenced,
         **ingest.to_dict(),
     }
-    units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes)
+    units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes,
+                     undeclared_encoding=ingest.text.undeclared_encoding)
     order = None  # part builds: each unit's index in the whole input set, for dedup across parts in `merge`
     whole = None
     if part[1] > 1:

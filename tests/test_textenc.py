@@ -181,3 +181,24 @@ def test_declared_encodings_and_boms_win_over_detection(tmp_path):
     assert docs["photo.png"]["meta"]["caption_encoding"] == "cp1252" and docs["photo.png"]["meta"]["caption_encoding_source"] == "detected"
     by_code = {r["code"]: r for r in _rejects(tmp_path / "out")}
     assert by_code["encoding-detected"]["ref"] == "photo.txt" and by_code["bad-utf8"]["action"] == "dropped-caption"
+
+
+def test_discovery_reads_a_pages_references_under_the_builds_encoding_setting(tmp_path):
+    """Discovery decoded every page with detection to find the media it references, whatever
+    --undeclared-encoding said. A non-ASCII `src` in an undeclared cp1252 page names `café.png`
+    only when the page is decoded as cp1252; under utf-8 the build reads it with U+FFFD, so the
+    image is not the one referenced and becomes a standalone document, as the build sees it."""
+    from omniloom.data.ingest import discover
+
+    src = tmp_path / "src"
+    src.mkdir()
+    page = CP1252_PAGE.replace("</h1>\n", "</h1>\n<img src=\"caf\u00e9.png\" alt=\"la gare\">\n")
+    (src / "cafe.html").write_bytes(page.encode("cp1252"))
+    (src / "caf\u00e9.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # never opened by discovery
+
+    def standalone(**kw):
+        return [u.rel for u in discover([str(src)], **kw) if u.kind == "image"]
+
+    assert standalone() == []  # referenced by the page: not a document of its own
+    assert standalone(undeclared_encoding="detect") == []
+    assert standalone(undeclared_encoding="utf-8") == ["caf\u00e9.png"]
