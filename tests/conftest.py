@@ -17,16 +17,21 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 
 @pytest.fixture(autouse=True)
-def _restore_root_logging():
-    """`omniloom.pretrain.cli.main` configures the root logger for the process it runs in (a
-    handler on the stderr of the moment, INFO level). In a test that stream is pytest's capture,
-    closed when the test ends: a later test's INFO line would print '--- Logging error ---'."""
+def _restore_process_settings():
+    """`omniloom.pretrain.cli.main` configures the process it runs in: the root logger (a handler
+    on the stderr of the moment, INFO level) and torch's thread count. In a test that stream is
+    pytest's capture, closed when the test ends (a later test's INFO line would print '--- Logging
+    error ---'), and a changed thread count would change the tests after it."""
     import logging
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
     yield
-    for h in root.handlers:
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    for h in list(root.handlers):
         if h not in handlers:
             root.removeHandler(h)
     for h in handlers:

@@ -5,7 +5,6 @@ images and checks the gap turns positive."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 
 import numpy as np
@@ -229,14 +228,9 @@ def test_eval_logs_its_torch_threads_and_honours_threads(setup, tmp_path, capsys
 
     root, tok, _ = setup
     save_export(tiny_model(tok), root / "tok", tmp_path / "export")
-    root_logger = logging.getLogger()
-    handlers, level = root_logger.handlers[:], root_logger.level
-    try:  # without -q, main() points the root logger at this test's stderr at INFO: undo that after
-        assert main(["eval", str(tmp_path / "export"), "--data", str(root / "shards"), "--no-progress", "--max-docs", "1",
-                     "--threads", "2", "--out", str(tmp_path / "eval.json")]) == 0
-    finally:
-        root_logger.handlers[:] = handlers
-        root_logger.setLevel(level)
+    # without -q, main() logs at INFO to this test's stderr (conftest restores the root logger after)
+    assert main(["eval", str(tmp_path / "export"), "--data", str(root / "shards"), "--no-progress", "--max-docs", "1",
+                 "--threads", "2", "--out", str(tmp_path / "eval.json")]) == 0
     assert torch.get_num_threads() == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "torch threads per process:" in ln]
     assert len(lines) == 1 and "torch threads per process: 2 (set by --threads; override with --threads N" in lines[0], lines

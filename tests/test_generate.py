@@ -3,7 +3,6 @@ with an image, window layers keep only their window, sampling, and the `omniloom
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -168,13 +167,8 @@ def test_generate_logs_its_torch_threads_and_honours_threads(tok, tmp_path, caps
 
     tok.save(tmp_path / "tok")
     save_export(tiny_model(tok), tmp_path / "tok", tmp_path / "export")
-    root_logger = logging.getLogger()
-    handlers, level = root_logger.handlers[:], root_logger.level
-    try:  # without -q, main() points the root logger at this test's stderr at INFO: undo that after
-        assert main(["generate", str(tmp_path / "export"), "--prompt", "hi", "--max-new-tokens", "2", "--threads", "2"]) == 0
-    finally:
-        root_logger.handlers[:] = handlers
-        root_logger.setLevel(level)
+    # without -q, main() logs at INFO to this test's stderr (conftest restores the root logger after)
+    assert main(["generate", str(tmp_path / "export"), "--prompt", "hi", "--max-new-tokens", "2", "--threads", "2"]) == 0
     assert torch.get_num_threads() == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "torch threads per process:" in ln]
     assert len(lines) == 1 and "torch threads per process: 2 (set by --threads; override with --threads N" in lines[0], lines
