@@ -15,8 +15,11 @@ inputs:
   folders are walked recursively (dot-names skipped, symlinked folders not followed):
     .txt .md .rst              -> text documents
     .py .c .cpp .rs .go .java .js .ts .sh .sql .yaml .json .toml ... -> code documents (language by extension)
-    .jpg .png .webp .gif .bmp .tiff  -> image documents; a sidecar STEM.txt / STEM.json is the caption
-    .mp4 .webm .mkv .mov .avi ... and anything else PyAV opens -> video documents (same sidecars)
+    .jpg .png .webp .gif .bmp .tiff .ppm .pgm .pbm .xbm .sgi .ras .tga .ico .pcx .qoi .exr
+                               -> image documents; a sidecar STEM.txt / STEM.json is the caption
+                                  (.exr and other stills PIL cannot read are stored as PNG)
+    .mp4 .webm .mkv .mov .avi ... and anything else PyAV opens -> video documents (same sidecars);
+                                  a file PyAV opens as one still image is an image document
     .html                      -> one interleaved document: text blocks and local <img>/<video> in order
     .jsonl                     -> one document per line: {"schema":1,"segments":[...]} or OBELICS
                                   {"texts":[...],"images":[...]}; media paths relative to the JSONL file

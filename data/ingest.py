@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 from .html_doc import extract_html, local_refs
-from .media import MediaLimits, validate_image, validate_video
+from .media import MediaLimits, still_image_format, validate_still, validate_video
 from .validate import (
     Reject,
     TextPolicy,
@@ -39,7 +39,8 @@ from .validate import (
 log = logging.getLogger(__name__)
 
 PROSE_EXT = {".txt", ".md", ".markdown", ".rst", ".text"}
-IMAGE_EXT = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
+IMAGE_EXT = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm", ".xbm",
+             ".sgi", ".ras", ".tga", ".ico", ".pcx", ".qoi", ".exr"}
 VIDEO_EXT = {".mp4", ".m4v", ".webm", ".mkv", ".mov", ".avi", ".flv", ".ts", ".mpg", ".mpeg", ".ogv", ".3gp", ".wmv"}
 HTML_EXT = {".html", ".htm", ".xhtml"}
 JSONL_EXT = {".jsonl", ".ndjson"}
@@ -525,7 +526,12 @@ def _finish(unit: Unit, segments: list[dict], meta: dict, st: IngestSettings, ou
             continue
         try:
             data = _load_media(unit, seg, st)
-            info = validate_image(data, st.limits) if kind == "image" else validate_video(data, st.limits)
+            if kind == "video" and still_image_format(data) is not None:
+                kind = "image"  # a still image is an image whichever decoder reads it, never a one-frame video
+            if kind == "image":
+                data, info = validate_still(data, st.limits)  # PNG bytes for a still PIL cannot read
+            else:
+                info = validate_video(data, st.limits)
         except Reject as rej:
             if seg.get("_standalone"):
                 if unit.kind == "other" and rej.code == "not-a-video":

@@ -89,7 +89,7 @@ def render_html(docs: list[tuple[str, dict, dict]], *, title: str = "omniloom sh
             elif t == "image":
                 data = members.get(seg["ref"], b"")
                 ext = seg["ref"].rsplit(".", 1)[-1]
-                if ext in ("bmp", "tiff"):  # browsers do not all show these: convert for display
+                if ext not in ("jpg", "png", "webp", "gif"):  # bmp, tiff, ppm, sgi, ...: not every browser shows them
                     data, ext = _to_png(Image.open(io.BytesIO(data))), "png"
                 parts.append(f"<figure><img alt='{html.escape(seg['ref'])}' src='data:{_MIME.get(ext, 'image/png')};base64,{base64.b64encode(data).decode()}'>"
                              f"<figcaption class='meta'>{html.escape(seg['ref'])}</figcaption></figure>")

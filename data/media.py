@@ -1,7 +1,11 @@
 """Image and video validation for data prep: every media file is decoded before it is written.
 
 Images: header read, pixel-count (decompression bomb) limit checked *before* decoding, then a full
-decode of every frame with `img.load()`, then minimum side and aspect-ratio limits. Videos: opened
+decode of every frame with `img.load()`, then minimum side and aspect-ratio limits. A still image
+that PIL cannot read (OpenEXR, ...) but FFmpeg's image decoders can is decoded through PyAV and
+re-encoded as PNG (`validate_still`), since the tokenizer reads images with PIL; a file that FFmpeg
+opens as a single-image pipe is a still image whatever its name (`still_image_format`), never a
+one-frame video. Videos: opened
 with PyAV, a video stream must exist and yield a decoded frame, the whole file is demuxed and must
 hold what its container promises (`_check_complete`: frame counts, last packets, header duration),
 duration is taken from the container or estimated from packet timestamps, and duration and
@@ -16,7 +20,11 @@ from dataclasses import dataclass
 
 from .validate import Reject
 
-IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff", "MPO": "jpg"}
+IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff", "MPO": "jpg",
+                 # kept as they are too: PIL reads them at training time (netpbm names come from the mode)
+                 "PPM": "ppm", "XBM": "xbm", "SGI": "sgi", "SUN": "ras", "TGA": "tga", "ICO": "ico", "PCX": "pcx",
+                 "QOI": "qoi"}
+_NETPBM_EXT = {"1": "pbm", "L": "pgm", "I": "pgm", "I;16": "pgm", "I;16B": "pgm"}
 # Container names FFmpeg reports -> a file extension for the shard member.
 CONTAINER_EXT = {
     "mov,mp4,m4a,3gp,3g2,mj2": "mp4",
@@ -93,7 +101,82 @@ def validate_image(data: bytes, limits: MediaLimits) -> dict:
     aspect = max(w, h) / max(1, min(w, h))
     if aspect > limits.max_image_aspect:
         raise Reject("image-aspect", f"image is {w}x{h} (aspect {aspect:.1f}), above --max-image-aspect {limits.max_image_aspect}")
-    return {"format": img.format, "ext": IMAGE_FORMATS[img.format], "width": w, "height": h, "mode": mode, "frames": frames}
+    ext = _NETPBM_EXT.get(mode, "ppm") if img.format == "PPM" else IMAGE_FORMATS[img.format]
+    return {"format": img.format, "ext": ext, "width": w, "height": h, "mode": mode, "frames": frames}
+
+
+def _is_image_pipe(format_name: str) -> bool:
+    """FFmpeg's demuxers for files of images (image2, and one `*_pipe` per image format)."""
+    return format_name in ("image2", "image2pipe") or format_name.endswith("_pipe")
+
+
+def still_image_format(data: bytes) -> str | None:
+    """The image format ("ppm", "exr", ...) when FFmpeg opens `data` as an image pipe holding one
+    image, else None (a video, several images in a row, or nothing PyAV can open)."""
+    import av
+
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except Exception:  # noqa: BLE001 - not for us to judge here: validate_video says why
+        return None
+    with container:
+        name = container.format.name
+        if not container.streams.video or not _is_image_pipe(name):
+            return None
+        packets = 0
+        try:
+            for packet in container.demux(container.streams.video[0]):
+                if packet.size:
+                    packets += 1
+                if packets > 1:
+                    return None
+        except Exception:  # noqa: BLE001 - a broken pipe of images: validate_video rejects it
+            return None
+    return name.removesuffix("_pipe") if packets == 1 else None
+
+
+def validate_still(data: bytes, limits: MediaLimits) -> tuple[bytes, dict]:
+    """`validate_image`, with a way in for still images PIL cannot read: decoded with PyAV and
+    re-encoded as PNG (the bytes returned are then the PNG's; `converted_from` names the original
+    format). Returns (bytes to store, info) or raises Reject."""
+    try:
+        return data, validate_image(data, limits)
+    except Reject as rej:
+        if rej.code != "not-an-image":
+            raise
+        fmt = still_image_format(data)
+        if fmt is None:
+            raise Reject("not-an-image", "neither PIL nor FFmpeg reads this as an image (corrupt, or not an image "
+                                         "despite its name)") from None
+    png = _still_to_png(data, fmt, limits)
+    info = validate_image(png, limits)
+    info.update(converted_from=fmt, original_bytes=len(data))
+    return png, info
+
+
+def _still_to_png(data: bytes, fmt: str, limits: MediaLimits) -> bytes:
+    """Decode the one image of an FFmpeg image pipe and encode it as 8-bit PNG (RGB, or RGBA when
+    it has alpha). Floating-point formats (OpenEXR) are clipped to 0..1, without tone mapping."""
+    import av
+    from PIL import Image
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.video[0]
+        w, h = stream.codec_context.width, stream.codec_context.height
+        if w * h > limits.max_image_pixels:
+            raise Reject("image-bomb", f"image declares {w}x{h} = {w * h} pixels, above --max-image-pixels "
+                                       f"{limits.max_image_pixels} (decompression-bomb guard; raise the limit if the image is genuine)")
+        try:
+            frame = next(container.decode(stream), None)
+        except Exception as err:  # noqa: BLE001 - FFmpeg raises many error types for broken data
+            raise Reject("corrupt-image", f"{fmt} image data does not decode ({_short(err)})") from None
+        if frame is None:
+            raise Reject("corrupt-image", f"{fmt} image holds no decodable picture")
+        alpha = any(c.is_alpha for c in frame.format.components) or frame.format.has_palette
+        pixels = frame.to_ndarray(format="rgba" if alpha else "rgb24")
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGBA" if alpha else "RGB").save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def validate_video(data: bytes, limits: MediaLimits) -> dict:
