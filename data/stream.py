@@ -567,8 +567,7 @@ def _log_visual_budget(seq_len: int, settings, rank: int) -> None:
 
     from .config import check_visual_budget
 
-    frames = -(-settings.video_frame_budget // settings.temporal_patch_size)
-    video = settings.video_patch_budget * frames
+    video = settings.max_video_patches
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         messages = check_visual_budget(seq_len, max_image_patches=settings.image_patch_budget, max_video_patches=video)

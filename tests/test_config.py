@@ -31,6 +31,26 @@ def test_every_shipped_preset_loads_and_round_trips(tmp_path):
         assert load_config(str(path)) == cfg, name
 
 
+def test_every_shipped_preset_holds_the_default_tokenizers_largest_blocks():
+    """Issue 28.4: a preset's rows hold the largest image and video block a tokenizer trained with
+    the default settings makes (tiny's seq_len 512 against a 514-token video block warned on every
+    run, with or without video in the data)."""
+    import warnings
+
+    from omniloom.data.config import check_visual_budget
+    from omniloom.pretrain.config import list_presets
+    from omniloom.tokenizers.settings import MediaSettings
+
+    media = MediaSettings()
+    for name in list_presets():
+        seq_len = load_config(name).data.seq_len
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            too_short = check_visual_budget(seq_len, max_image_patches=media.image_patch_budget,
+                                            max_video_patches=media.max_video_patches)
+        assert too_short == [], f"preset {name}: {too_short}"
+
+
 def test_override_parsing():
     assert parse_override("model.num_layers=4") == (["model", "num_layers"], 4)
     assert load_config(None, ["optim.lr=1e-3"]).optim.lr == 1e-3  # YAML 1.1 reads 1e-3 as a string

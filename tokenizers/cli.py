@@ -18,7 +18,7 @@ _MEDIA_FLAGS = (
     ("--temporal-patch-size", "temporal_patch_size", int, "frames per video tubelet tp (default 2)"),
     ("--image-patch-budget", "image_patch_budget", int, "most patches per image (default 256)"),
     ("--video-fps", "video_fps", float, "video sampling rate in frames per second (default 2)"),
-    ("--video-frame-budget", "video_frame_budget", int, "most sampled frames per video (default 16)"),
+    ("--video-frame-budget", "video_frame_budget", int, "most sampled frames per video (default 14: a 450-token block fits seq_len 512)"),
     ("--video-patch-budget", "video_patch_budget", int, "most patches per video frame (default 64)"),
     ("--video-sampling", "video_sampling", str, "long videos: 'clip' keeps the first frames, 'spread' spreads the budget over the whole video"),
 )

@@ -47,7 +47,9 @@ class MediaSettings:
     temporal_patch_size: int = 2
     image_patch_budget: int = 256
     video_fps: float = 2.0
-    video_frame_budget: int = 16
+    # 14 frames = 7 tubelet groups of 64 patches: a video block of 450 tokens, which fits the shipped
+    # presets' shortest rows (seq_len 512; tests/test_config.py checks every preset against these defaults)
+    video_frame_budget: int = 14
     video_patch_budget: int = 64
     video_sampling: str = "clip"
     video_clip_start: float = 0.0
@@ -89,6 +91,12 @@ class MediaSettings:
     def patch_dim(self) -> int:
         """Length of one image patch vector: 3 * p * p (layout c, y, x)."""
         return 3 * self.patch_size * self.patch_size
+
+    @property
+    def max_video_patches(self) -> int:
+        """Patch positions of the largest video block: video_patch_budget per group of
+        temporal_patch_size frames, for video_frame_budget frames (a last partial group counts)."""
+        return self.video_patch_budget * -(-self.video_frame_budget // self.temporal_patch_size)
 
     @property
     def tubelet_dim(self) -> int:
