@@ -53,34 +53,50 @@ class SyntheticLoader:
     def load_state_dict(self, state: dict) -> None:
         self.index = int(state["index"])
 
+def synthetic_config(cfg):
+    """`cfg` made to train on SyntheticLoader batches: a vocabulary and <|patch|> id without a
+    tokenizer, and no DataLoader workers (the synthetic batches are built in this process, so there
+    are no workers to leave cores for: pretrain/threads.py would take one thread per worker away)."""
+    from . import build as B
+
+    model_cfg = cfg.model
+    if not cfg.data.tokenizer:
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=model_cfg.vocab_size or _SYNTHETIC_VOCAB,
+                                        patch_token_id=max(model_cfg.patch_token_id, _SYNTHETIC_PATCH_ID))
+    cfg = dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, num_workers=0))
+    return B.resolve_model_config(cfg)
+
+
+def bench_trainer(preset: str, overrides: list[str], *, run_dir: str, num_steps: int):
+    """A Trainer for benchmarking `preset`: no checkpoints, evaluation or TensorBoard, a fresh start
+    in `run_dir`; with no data.sources it trains on SyntheticLoader batches (synthetic_config)."""
+    from . import build as B
+    from .config import load_config
+    from .train import Trainer
+
+    cfg = load_config(preset, list(overrides) + [
+        f"train.run_dir={run_dir}", f"train.num_steps={num_steps}", "checkpoint.every=0",
+        "logging.tensorboard=false", "train.eval_every=0", "checkpoint.resume="])
+    kwargs = {}
+    if not cfg.data.sources:
+        cfg = synthetic_config(cfg)
+        kwargs = dict(build_model=B.build_model,
+                      build_loader=lambda c, split, rank, world: SyntheticLoader(c, rank) if split == "train" else None)
+    return Trainer(cfg, progress=False, **kwargs)
+
+
 def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: int = 2, figures: dict | None = None) -> str:
     """Time `steps` training steps of `preset` after `warmup` and return the printable report
     (and fill `figures`, when given, with seq_len, step_s and tokens_per_s)."""
     from . import build as B
-    from .config import load_config
     from .metrics import StepTimer, mfu, peak_flops_per_device
-    from .train import Trainer
 
     if steps < 1 or warmup < 0:
         raise ValueError("--steps must be >= 1 and --warmup >= 0")
     with tempfile.TemporaryDirectory(prefix="omniloom-bench-") as tmp:
-        cfg = load_config(preset, list(overrides) + [
-            f"train.run_dir={tmp}", f"train.num_steps={warmup + steps}", "checkpoint.every=0",
-            "logging.tensorboard=false", "train.eval_every=0", "checkpoint.resume="])
+        trainer = bench_trainer(preset, overrides, run_dir=tmp, num_steps=warmup + steps)
+        cfg = trainer.cfg
         synthetic = not cfg.data.sources
-        kwargs = {}
-        if synthetic:
-            model_cfg = cfg.model
-            if not cfg.data.tokenizer:
-                model_cfg = dataclasses.replace(model_cfg, vocab_size=model_cfg.vocab_size or _SYNTHETIC_VOCAB,
-                                                patch_token_id=max(model_cfg.patch_token_id, _SYNTHETIC_PATCH_ID))
-            # the synthetic batches are built in this process: no DataLoader workers to leave
-            # cores for (pretrain/threads.py would otherwise take one thread per worker away)
-            cfg = dataclasses.replace(cfg, model=model_cfg, data=dataclasses.replace(cfg.data, num_workers=0))
-            cfg = B.resolve_model_config(cfg)
-            kwargs = dict(build_model=B.build_model,
-                          build_loader=lambda c, split, rank, world: SyntheticLoader(c, rank) if split == "train" else None)
-        trainer = Trainer(cfg, progress=False, **kwargs)
         trainer.timer = StepTimer(sync=True)
         t_warm = time.perf_counter()
         for _ in range(warmup):

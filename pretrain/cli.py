@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "omniloom.kernels.cli",
     "omniloom.pretrain.bench_hf",
     "omniloom.pretrain.bench_decode",
+    "omniloom.pretrain.bench_threads",
 )
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)

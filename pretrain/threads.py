@@ -1,11 +1,9 @@
-"""How many CPU threads torch uses in this process (train, eval, generate).
+"""How many CPU threads torch uses in this process (train, eval, generate), and how they wait.
 
 torch's default is one thread per core for every process. With several processes on one machine
 (`accelerate launch`, torchrun) or DataLoader workers decoding beside the trainer, that
-oversubscribes the cores, and OpenMP threads that spin while waiting for a core make every step
-several times slower (the `tiny` preset on 2 cores with 2 workers: 4.7 s per step against 0.6 s
-with one thread). So each process takes its share of the cores it may run on, less one core per
-DataLoader worker it feeds, and never less than one thread:
+oversubscribes the cores. So each process takes its share of the cores it may run on, less one
+core per DataLoader worker it feeds, and never less than one thread:
 
     threads = max(1, cores // processes_on_this_machine - num_workers)
 
@@ -15,14 +13,24 @@ launch and torchrun), else 1. An explicit choice wins: the config value (`train.
 `--threads`), else an OMP_NUM_THREADS set in the environment. Under a launcher (LOCAL_WORLD_SIZE
 set, or accelerate's one-process launcher's ACCELERATE_* variables) OMP_NUM_THREADS=1 is what
 accelerate launch and torchrun put there when nobody asked, so it is not taken as a choice: pass
-train.num_threads=1 to force one thread there. DataLoader workers
-get one thread each (`omniloom.data.stream` gives them a worker_init_fn).
+train.num_threads=1 to force one thread there. DataLoader workers get one thread each
+(`omniloom.data.stream` gives them a worker_init_fn).
 
-The trade-off, measured with the `tiny` preset (1 process, 2 workers) on a 2-core machine: nearly
-idle, 2 threads take 0.15 s per step and the 1 thread chosen here 0.33 s (the workers were mostly
-waiting); with one other busy process 0.49 s against 0.23 s; shared with other jobs (load 4-7)
-2.0 s against 0.4 s. Undersubscribing costs at most the reserved cores; oversubscribing costs
-several times the step. On a dedicated machine, set `train.num_threads` to use every core.
+Waiting threads sleep (`apply_wait_policy`). The OpenMP runtime torch ships (libgomp) lets a
+thread that waits for the others spin for about 300,000 rounds before it sleeps. When other work
+shares the cores, a spinning thread burns the time slice the thread it waits for needs, and every
+parallel region waits for its slowest thread: on 2 shared cores, eval ran 17x, generate 14x and a
+training step 16x slower with 2 threads than with 1. With OMP_WAIT_POLICY=PASSIVE a waiting
+thread sleeps at once, and 2 threads beside 2 busy processes ran 2-3x *faster* than 1 (the
+scheduler gives every runnable thread its share). So `import omniloom.pretrain` (the `omniloom`
+command, `python -m omniloom.pretrain.train` and the ranks `omniloom launch` starts all come
+through it) puts OMP_WAIT_POLICY=PASSIVE in the environment before torch is imported, unless the
+user set OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME (OMP_WAIT_POLICY=ACTIVE brings the
+spinning back on a dedicated machine). Capping the count at the cores other work leaves free was
+measured too and is not done: with one busy process per core it chose 1 thread, 2-3x slower than 2.
+
+`omniloom bench threads` measures the default against every --threads value, idle and with one
+busy process per core beside it (figures in BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -34,6 +42,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("omniloom.threads")
+
+# Any of these set by the user is a choice about how OpenMP threads wait: left alone.
+WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def apply_wait_policy(env=None) -> bool:
+    """Put OMP_WAIT_POLICY=PASSIVE in `env` (os.environ) unless one of WAIT_POLICY_VARS is set;
+    True when it did. OpenMP reads it once, when torch loads it: call this before `import torch`
+    (`import omniloom.pretrain` does). Processes started from this one inherit it."""
+    env = os.environ if env is None else env
+    if any(env.get(k, "").strip() for k in WAIT_POLICY_VARS):
+        return False
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
+
+
+def wait_policy(env=None) -> str:
+    """How OpenMP threads wait, in words, from the environment (as torch was loaded with it)."""
+    env = os.environ if env is None else env
+    chosen = [f"{k}={env[k].strip()}" for k in WAIT_POLICY_VARS if env.get(k, "").strip()]
+    return ", ".join(chosen) if chosen else "OpenMP's default (spin, then sleep)"
 
 
 def available_cores() -> int:
@@ -116,7 +145,7 @@ def configure_threads(requested: int = 0, *, num_workers: int = 0, quiet: bool =
     torch.set_num_threads(choice.threads)
     if not quiet:
         how = f"{option} N" if option.startswith("--") else f"{option}=N"
-        log.info("torch threads per process: %d (%s; override with %s or OMP_NUM_THREADS)",
-                 choice.threads, choice.reason, how)
+        log.info("torch threads per process: %d (%s; override with %s or OMP_NUM_THREADS); waiting threads: %s",
+                 choice.threads, choice.reason, how, wait_policy())
     return choice.threads
 

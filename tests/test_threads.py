@@ -122,3 +122,33 @@ def test_dataloader_workers_run_one_thread(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert in_worker == 1
+
+
+def test_waiting_threads_sleep_unless_the_user_chose_how_they_wait():
+    """Issue 28.1: OMP_WAIT_POLICY=PASSIVE by default; any wait setting of the user's is left alone."""
+    from omniloom.pretrain.threads import apply_wait_policy, wait_policy
+
+    env = {}
+    assert apply_wait_policy(env) and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert wait_policy(env) == "OMP_WAIT_POLICY=PASSIVE"
+    for var, value in (("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "300000"), ("KMP_BLOCKTIME", "200")):
+        env = {var: value}
+        assert not apply_wait_policy(env) and env == {var: value}
+    assert "spin, then sleep" in wait_policy({})
+
+
+def test_omniloom_processes_load_openmp_with_sleeping_threads():
+    """The policy reaches OpenMP itself: `python -m omniloom.pretrain.train` (what accelerate launch
+    and omniloom launch run; the `omniloom` command comes through the same package) loads torch's
+    libgomp with a spin count of 0 (libgomp's own default spins 300,000 rounds). Not a timing test."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    res = subprocess.run([sys.executable, "-m", "omniloom.pretrain.train", "--help"], env={**env, "OMP_DISPLAY_ENV": "VERBOSE"},
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    if "GOMP_SPINCOUNT" not in res.stderr:
+        pytest.skip("this torch's OpenMP runtime is not libgomp (no GOMP_SPINCOUNT in OMP_DISPLAY_ENV)")
+    assert "GOMP_SPINCOUNT = '0'" in res.stderr and "OMP_WAIT_POLICY = 'PASSIVE'" in res.stderr, res.stderr
