@@ -229,7 +229,7 @@ class CheckpointManager:
         for old in found[: max(0, len(found) - self.keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: str | Path) -> tuple[dict, list]:
+    def load(self, path: str | Path, *, note: str = "") -> tuple[dict, list]:
         """Restore model/optimizer/RNG into the prepared objects; return (trainer_state, the data
         states of every rank that wrote the checkpoint, in rank order): a data loader resuming on
         another layout pools them all (data/elastic.py).
@@ -238,7 +238,8 @@ class CheckpointManager:
         as saved, a sharded one (FSDP2, torch.distributed.checkpoint) is resharded by DCP as it
         loads. The ranks' RNG streams are restored only where a saved rank of the same index
         exists (the resume is no longer bit-exact; the data stream keeps every document once per
-        epoch). A sharded checkpoint needs an FSDP run, a replicated one a run without FSDP."""
+        epoch). A sharded checkpoint needs an FSDP run, a replicated one a run without FSDP. `note`
+        ends the "resumed from" line (the global batch kept on another process count)."""
         path = Path(path)
         info = json.loads((path / MARKER).read_text())
         saved_world = info.get("world_size")
@@ -261,7 +262,7 @@ class CheckpointManager:
         except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
             raise ValueError(_unloadable_message(path, err)) from err
         self._check_rng_files(path, saved_world)
-        log.info("resumed from %s (step %d)", path, trainer_state.get("step", -1))
+        log.info("resumed from %s (step %d)%s", path, trainer_state.get("step", -1), f"; {note}" if note else "")
         return trainer_state, data_states
 
     def sharded(self) -> bool:

@@ -63,6 +63,10 @@ class CheckpointConfig:
     every: int = 500  # steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)
     keep_last: int = 3
     resume: str = ""  # "": fresh; "auto": newest complete checkpoint of run_dir, if any; or a step_N path
+    # resuming on another number of processes: "keep" the checkpoint's global batch (processes x
+    # batch_size x grad_accum_steps) by choosing the accumulation, refusing when none fits; "change":
+    # train on with this run's own (pretrain/resume_batch.py)
+    resume_global_batch: Literal["keep", "change"] = "keep"
 
 
 @dataclass(kw_only=True)

@@ -38,6 +38,7 @@ from .config_io import to_dict
 from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector
 from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
 from .optim import build_optimizer, build_scheduler
+from .resume_batch import keep_global_batch
 from .expert_parallel import find_plan, shard_range
 from .parallel import apply_parallelism, check_launch, seed_everything, set_deterministic
 from .threads import configure_threads
@@ -112,6 +113,9 @@ class Trainer:
         configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
                           quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0)
         self.acc = make_accelerator(cfg)
+        resume_note = ""
+        if resume is not None:  # batch_size is per rank: keep the global batch on another process count
+            cfg, resume_note = keep_global_batch(cfg, resume, self.acc.num_processes)
         if self.acc.device.type == "cpu" and cfg.train.cpu_malloc == "keep":
             from .malloc import keep_freed_memory
 
@@ -171,7 +175,7 @@ class Trainer:
                         "later --resume auto would pick them); pass --resume auto to continue instead, "
                         "or choose another train.run_dir", self.ckpt.dir, latest_checkpoint(self.ckpt.dir).name)
         if resume is not None:
-            data_states = self._restore(resume)
+            data_states = self._restore(resume, resume_note)
         self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
         if data_states is not None:
             self._load_data_states(data_states)
@@ -497,11 +501,11 @@ class Trainer:
             raise ValueError(f"this run's data loader ({type(self.train_loader).__name__}) cannot resume on another "
                              f"world size; launch with --num_processes {len(states)}")
 
-    def _restore(self, path: Path) -> list:
+    def _restore(self, path: Path, note: str = "") -> list:
         # FSDP2 loads through state_dict() templates: with expert parallelism they must describe
         # the whole expert tensors (DTensors), whatever layout wrote the checkpoint
         with self._expert_state_dicts() if self.ckpt.sharded() else contextlib.nullcontext():
-            trainer_state, data_state = self.ckpt.load(path)
+            trainer_state, data_state = self.ckpt.load(path, note=note)
         self.step = int(trainer_state["step"])
         self.tokens_seen = int(trainer_state["tokens_seen"])
         self.scheduler.load_state_dict(trainer_state["scheduler"])

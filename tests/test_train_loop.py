@@ -675,3 +675,56 @@ def test_data_states_of_every_saved_rank_reach_the_loader(tmp_path):
     trainer.train_loader.load_state_dict = got.append
     trainer._load_data_states([{"consumed": 1}, {"consumed": 2}])
     assert got == [[{"consumed": 1}, {"consumed": 2}]]
+
+
+# ---- issue 28 item 3: the global batch across a resume on another number of processes -----------
+
+
+def test_plan_keeps_the_global_batch_by_accumulation_or_refuses_naming_what_fits():
+    from omniloom.pretrain.resume_batch import Batching, plan_accumulation
+
+    saved = Batching(2, 4, 1)  # 8 rows
+    assert plan_accumulation(saved, Batching(2, 4, 1), policy="keep", seq_len=512) == (1, "")
+    accum, note = plan_accumulation(saved, Batching(1, 4, 1), policy="keep", seq_len=512)
+    assert accum == 2 and "gradient accumulation 1 -> 2 keeps the global batch at 8 rows" in note and "4,096 tokens" in note
+    assert plan_accumulation(Batching(1, 4, 2), Batching(2, 4, 2), policy="keep", seq_len=512)[0] == 1
+    with pytest.raises(ValueError, match=r"on 3 process\(es\) x 4 rows no gradient accumulation gives 8 rows: launch "
+                                         r"1, 2 process\(es\), or pass checkpoint.resume_global_batch=change"):
+        plan_accumulation(saved, Batching(3, 4, 1), policy="keep", seq_len=512)
+    accum, note = plan_accumulation(saved, Batching(3, 4, 1), policy="change", seq_len=512)
+    assert accum == 1 and "changes from 8 rows" in note and "to 12 rows" in note
+
+
+def test_resume_on_fewer_processes_keeps_the_global_batch_and_says_so(tmp_path, monkeypatch, caplog):
+    """A 2-process checkpoint (faked from a 1-process one) resumed on 1 process trained on with half
+    the tokens per step; now the accumulation doubles, the resume line says so, and the steps after
+    it see as many tokens as before. Another global batch needs checkpoint.resume_global_batch=change."""
+    import logging
+    import shutil
+
+    _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=2", "data.batch_size=2").fit()
+    ckpt = ckpt_mod.latest_checkpoint(tmp_path / "checkpoints")
+    before = torch.load(ckpt / "trainer.pt", weights_only=True)["tokens_seen"] / 2
+    info = json.loads((ckpt / ckpt_mod.MARKER).read_text())
+    info["world_size"] = 2
+    (ckpt / ckpt_mod.MARKER).write_text(json.dumps(info))
+    shutil.copy(ckpt / "data_rank00000.pt", ckpt / "data_rank00001.pt")
+    shutil.copy(ckpt / "accelerate" / "random_states_0.pkl", ckpt / "accelerate" / "random_states_1.pkl")
+    monkeypatch.setattr(standin.StandinLoader, "pools_rank_states", True, raising=False)
+    monkeypatch.setattr(standin.StandinLoader, "load_state_dict", lambda self, states: None)
+    _reset_accelerate()
+    with caplog.at_level(logging.INFO, logger="omniloom.pretrain.checkpoint"):
+        trainer = _trainer(tmp_path, "train.num_steps=3", "data.batch_size=2", f"checkpoint.resume={ckpt}")
+    assert trainer.cfg.train.grad_accum_steps == 2
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("resumed from"))
+    assert "on 1 process(es) (saved on 2): gradient accumulation 1 -> 2 keeps the global batch at 4 rows" in line
+    seen = trainer.tokens_seen
+    trainer.fit()
+    assert trainer.tokens_seen - seen == 2 * before  # the 2-process step's tokens, on one process
+    _reset_accelerate()
+    with pytest.raises(ValueError, match="no gradient accumulation gives 4 rows"):
+        _trainer(tmp_path, "train.num_steps=3", "data.batch_size=3", f"checkpoint.resume={ckpt}")
+    _reset_accelerate()
+    trainer = _trainer(tmp_path, "train.num_steps=3", "data.batch_size=3", f"checkpoint.resume={ckpt}",
+                       "checkpoint.resume_global_batch=change")
+    assert trainer.cfg.train.grad_accum_steps == 1
