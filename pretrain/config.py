@@ -118,6 +118,29 @@ def resolve_preset(name_or_path: str) -> Path:
     raise ConfigError(f"no config file or preset named '{name_or_path}' (presets: {', '.join(names)}){hint}")
 
 
+def list_accelerate_configs() -> list[str]:
+    """The shipped accelerate configs (configs/accelerate/NAME.yaml) by name."""
+    return sorted(p.stem for p in (presets_dir() / "accelerate").glob("*.yaml"))
+
+
+def resolve_accelerate_config(name_or_path: str) -> Path:
+    """An accelerate config file that exists, else the shipped one of that name: `cpu_2proc`,
+    `cpu_2proc.yaml` and `configs/accelerate/cpu_2proc.yaml` from any folder all name it."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = presets_dir() / "accelerate" / f"{path.stem if path.suffix in ('.yaml', '.yml') else path.name}.yaml"
+    if shipped.is_file():
+        return shipped
+    import difflib
+
+    names = list_accelerate_configs()
+    close = difflib.get_close_matches(path.stem, names, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(f"--config_file {name_or_path}: no such file, and no shipped accelerate config of that name "
+                      f"(shipped: {', '.join(names)}){hint}")
+
+
 def load_config(preset: str | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a preset (name or YAML path) and apply dotted overrides; None means the defaults."""
     data, source = {}, None
@@ -131,5 +154,6 @@ def load_config(preset: str | None = None, overrides: list[str] | None = None) -
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "LoggingConfig", "OptimConfig", "RunConfig", "TrainConfig",
-    "list_presets", "load_config", "presets_dir", "resolve_preset", "to_yaml",
+    "list_accelerate_configs", "list_presets", "load_config", "presets_dir", "resolve_accelerate_config",
+    "resolve_preset", "to_yaml",
 ]

@@ -50,12 +50,14 @@ def demo_threads(processes: int, env=None) -> list[str]:
 
 
 def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) -> list[Stage]:
+    from .config import resolve_accelerate_config
+
     corpus, shards, tok, run, export = out / "corpus", out / "shards", out / "tokenizer", out / "run", out / "export"
     threads = demo_threads(processes)
     # omniloom launch: accelerate launch's arguments, with a scheduler's exit codes (Ctrl-C saves, exits 0)
     launch = [sys.executable, "-m", "omniloom.pretrain.launch"]
     if processes > 1:
-        launch += ["--config_file", str(_accelerate_config("cpu_2proc")), "--num_processes", str(processes)]
+        launch += ["--config_file", str(resolve_accelerate_config("cpu_2proc")), "--num_processes", str(processes)]
     else:
         launch += ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     train = corpus / "train"
@@ -99,12 +101,6 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
               out / "generate.txt"),
         Stage("report", _omniloom("report", str(run), "--eval", str(out / "eval.json")), run / "report" / "index.html"),
     ]
-
-
-def _accelerate_config(name: str) -> Path:
-    from .config import presets_dir
-
-    return presets_dir() / "accelerate" / f"{name}.yaml"
 
 
 def _first_heldout_image(corpus: Path) -> Path:

@@ -1,7 +1,11 @@
 """`omniloom launch`: `accelerate launch` with the exit codes and signals a scheduler relies on.
 
-    omniloom launch --config_file configs/accelerate/cpu_2proc.yaml -m omniloom.pretrain.train \
+    omniloom launch --config_file cpu_2proc -m omniloom.pretrain.train \
         --config tiny --run-dir runs/t1 ...            # every `accelerate launch` option works
+
+`--config_file` takes a file, or the name of a config shipped in configs/accelerate/ (`cpu_2proc`,
+`fsdp2`, ...; `configs/accelerate/NAME.yaml` also finds it from any folder); a name that is
+neither is one line naming the shipped ones, exit 2.
 
 It runs accelerate's launcher in this process and changes three things:
 
@@ -42,8 +46,9 @@ def register(sub) -> None:
         description="Run `accelerate launch` with the same arguments, in this process, for several processes "
         "or machines. SIGTERM/SIGINT make every rank finish its step, save a checkpoint and exit 0 (a second "
         "signal kills the ranks); a user error in the ranks prints one line once and exits 2. Example: "
-        "omniloom launch --config_file configs/accelerate/cpu_2proc.yaml -m omniloom.pretrain.train "
-        "--config tiny --run-dir runs/t1 data.sources='[{path: shards/train}]' data.tokenizer=tok",
+        "omniloom launch --config_file cpu_2proc -m omniloom.pretrain.train "
+        "--config tiny --run-dir runs/t1 data.sources='[{path: shards/train}]' data.tokenizer=tok. "
+        "--config_file takes a file or a shipped config's name (cpu_2proc, fsdp2, multi_gpu, ...).",
         add_help=False,
         prefix_chars="+",  # every option belongs to accelerate launch; nothing is parsed here
     )
@@ -225,7 +230,14 @@ def launch(argv: list[str], *, quiet_agent: bool = True) -> int:
     summary says it once; `omniloom -v launch` shows them)."""
     from accelerate.commands.launch import launch_command, launch_command_parser
 
+    from .config import resolve_accelerate_config
+
     args = launch_command_parser().parse_args(argv)
+    if args.config_file:  # a shipped config by name, from any folder; a missing file is one line (exit 2)
+        found = resolve_accelerate_config(args.config_file)
+        if str(found) != args.config_file:
+            log.info("--config_file %s: the shipped accelerate config %s", args.config_file, found)
+        args.config_file = str(found)
     forwarder = _Forwarder()
     with tempfile.TemporaryDirectory(prefix="omniloom-launch-") as errors:
         old_env = {k: os.environ.get(k) for k in ("OMNILOOM_LAUNCHED", "OMNILOOM_LAUNCH_ERRORS")}
@@ -254,7 +266,11 @@ def launch(argv: list[str], *, quiet_agent: bool = True) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return launch(sys.argv[1:] if argv is None else argv)
+    try:
+        return launch(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:  # a user mistake in the launcher's own arguments (--config_file)
+        print(f"omniloom launch: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -278,3 +278,29 @@ def test_launch_help_and_a_signal_before_the_ranks_start(tmp_path, capsys):
         forwarder.handle(signal.SIGTERM, None)
     assert launch._summarise(err.value, {}, forwarder) == 128 + signal.SIGTERM
     assert "before the ranks started" in capsys.readouterr().err
+
+
+# ---- issue 28 item 6: a shipped accelerate config by name --------------------------------------
+def test_config_file_takes_a_shipped_configs_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    """`--config_file configs/accelerate/cpu_2proc.yaml` worked only from the checkout's root (exit 1
+    elsewhere); a shipped config's name now works anywhere, and a name that is neither a file nor a
+    shipped config is one line naming the shipped ones, exit 2."""
+    import accelerate.commands.launch as acc_launch
+
+    from omniloom.pretrain import launch
+    from omniloom.pretrain.cli import main
+
+    seen = []
+    monkeypatch.setattr(acc_launch, "launch_command", lambda args: seen.append(args.config_file))
+    monkeypatch.chdir(tmp_path)
+    for given in ("cpu_2proc", "cpu_2proc.yaml", "configs/accelerate/cpu_2proc.yaml"):
+        assert launch.launch(["--config_file", given, "-m", "omniloom.pretrain.train"]) == 0
+    own = tmp_path / "mine.yaml"
+    own.write_text(CPU_2PROC.read_text())
+    assert launch.launch(["--config_file", str(own), "-m", "omniloom.pretrain.train"]) == 0
+    assert seen == [str(CPU_2PROC)] * 3 + [str(own)]
+    capsys.readouterr()
+    assert main(["launch", "--config_file", "cpu_3proc", "-m", "omniloom.pretrain.train"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no shipped accelerate config" in err and "cpu_2proc, ep_8gpu" in err, err
+    assert "did you mean 'cpu_2proc'" in err and seen == [str(CPU_2PROC)] * 3 + [str(own)]
