@@ -12,7 +12,8 @@ import sys
 
 _BUILD_EPILOG = """\
 inputs:
-  folders are walked recursively (dot-names skipped, symlinked folders not followed):
+  folders are walked recursively (hidden dot-names and __pycache__/.pyc caches skipped and counted,
+  unless --include-hidden; symlinked folders not followed):
     .txt .md .rst              -> text documents
     .py .c .cpp .rs .go .java .js .ts .sh .sql .yaml .json .toml ... -> code documents (language by extension)
     .jpg .png .webp .gif .bmp .tiff .ppm .pgm .pbm .xbm .sgi .ras .tga .ico .pcx .qoi .exr
@@ -97,6 +98,10 @@ def register(sub) -> None:
     b.add_argument("--max-video-side", type=int, default=4096, help="reject videos whose longer side is larger (default 4096)")
     b.add_argument("--max-video-bytes", type=_size, default="1G", help="largest video file (default 1G)")
     b.add_argument("--overwrite", action="store_true", help="delete this build's previous outputs in --out (finished or not) and start over")
+    b.add_argument("--include-hidden", action="store_true", help="also build hidden files and folders (names starting with '.') and "
+                   "caches (__pycache__, .pyc/.pyo), which are skipped and counted by default")
+    b.add_argument("--progress-seconds", type=float, default=30.0, help="when stderr is not a terminal (a log file, a Slurm job): "
+                   "a progress line every N seconds (default 30; 0: none; a terminal gets a bar)")
     b.set_defaults(func=_build)
 
     m = dsub.add_parser("merge", help="join the shard folders of a --part build into one dataset",
@@ -178,7 +183,8 @@ def _build(args) -> int:
     summary = build(
         args.sources, args.out, name=args.name, workers=args.workers, part=parse_part(args.part),
         shard_max_docs=args.shard_docs, shard_max_bytes=args.shard_size, dedup=not args.no_dedup, ingest=ingest,
-        standalone_referenced=args.standalone_referenced, overwrite=args.overwrite, progress=_progress(args),
+        standalone_referenced=args.standalone_referenced, overwrite=args.overwrite,
+        progress=getattr(args, "quiet", 0) == 0, progress_seconds=args.progress_seconds, include_hidden=args.include_hidden,
     )
     print(format_summary(args.out, summary))
     if summary["documents"] == 0:
@@ -215,6 +221,10 @@ def format_summary(out: str, s: dict) -> str:
         lines.append("rejected: 0")
     if notes:  # inputs kept, with something done to them (an encoding guessed, NaN nulled)
         lines.append("notices: " + ", ".join(f"{k} {v}" for k, v in notes.items()) + f" (inputs kept; details in {out}/rejects.jsonl)")
+    if s.get("skipped"):
+        from .ingest import describe_skipped
+
+        lines.append(f"skipped: {describe_skipped(s['skipped'])}; --include-hidden builds them")
     return "\n".join(lines)
 
 

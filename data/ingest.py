@@ -54,6 +54,9 @@ CODE_EXT = {
     ".hs": "haskell", ".ml": "ocaml", ".css": "css", ".proto": "protobuf", ".cmake": "cmake",
 }
 CODE_NAMES = {"Makefile": "makefile", "Dockerfile": "dockerfile", "CMakeLists.txt": "cmake"}
+# Caches a walk skips like hidden names (discover: include_hidden): compiled Python is never a document.
+CACHE_DIRS = {"__pycache__"}
+CACHE_EXT = {".pyc", ".pyo"}
 # Note: ".ts" is TypeScript unless its head is an MPEG transport stream (see _looks_like_text).
 _TS_PACKET = 188
 _TS_SNIFF_PACKETS = 5
@@ -119,11 +122,13 @@ class IngestSettings:
 
 
 def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False, max_text_bytes: int = 16 << 20,
-             undeclared_encoding: str = "detect") -> list[Unit]:
+             undeclared_encoding: str = "detect", include_hidden: bool = False, skipped: Counter | None = None) -> list[Unit]:
     """Walk `sources` (folders, or single files) into units in a deterministic order.
 
-    Hidden files and folders (dot-names) and the `exclude` paths (the build's own output) are
-    skipped. Symlinked folders are not followed (they are reported). Media files that an HTML page
+    Hidden files and folders (dot-names) and caches (`__pycache__` folders, `.pyc`/`.pyo` files)
+    are skipped and counted in `skipped` ("hidden", "cache") unless `include_hidden`; the
+    `exclude` paths (the build's own output) always are. Symlinked folders are not followed (they
+    are reported). Media files that an HTML page
     or JSONL record in the same source references are not also made standalone documents unless
     `standalone_referenced`. Memory stays bounded by `max_text_bytes` (--max-text-bytes): JSONL
     files are streamed in chunks, and a longer line or HTML page is never held whole here. HTML
@@ -131,7 +136,17 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
     --undeclared-encoding setting)."""
     excluded = {os.path.realpath(p) for p in exclude}
     units: list[Unit] = []
-    hidden = 0
+    skipped = Counter() if skipped is None else skipped
+
+    def skip(name: str, folder: bool) -> bool:
+        if include_hidden:
+            return False
+        kind = "hidden" if name.startswith(".") else "cache" if (name in CACHE_DIRS if folder else
+                                                                 os.path.splitext(name)[1].lower() in CACHE_EXT) else ""
+        if kind:
+            skipped[kind] += 1
+        return bool(kind)
+
     seen_real: dict[str, str] = {}
     labels = Counter()
     for source in sources:
@@ -156,9 +171,9 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
                 keep = []
                 for d in sorted(dirnames):
                     full = os.path.join(dirpath, d)
-                    if d.startswith("."):
-                        hidden += 1
-                    elif os.path.islink(full):
+                    if skip(d, folder=True):
+                        continue
+                    if os.path.islink(full):
                         rel = os.path.relpath(full, root).replace(os.sep, "/")
                         units.append(Unit(source=source, root=root, rel=rel, kind="reject", code="symlinked-dir",
                                           reason="symlinked folder not followed (avoids loops and duplicates); pass its target as a SOURCE to include it"))
@@ -166,8 +181,7 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
                         keep.append(d)
                 dirnames[:] = keep
                 for f in sorted(filenames):
-                    if f.startswith("."):
-                        hidden += 1
+                    if skip(f, folder=False):
                         continue
                     files.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
         else:
@@ -176,10 +190,16 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
         units.extend(_units_for_files(source, root, sorted(files), standalone_referenced, max_text_bytes,
                                       undeclared_encoding))
         units[first:] = [replace(u, label=label) for u in units[first:]]
-    if hidden:
-        log.info("skipped %d hidden files/folders (names starting with '.')", hidden)
+    if skipped:
+        log.info("skipped %s (--include-hidden builds them)", describe_skipped(skipped))
     units.sort(key=lambda u: (u.source, u.rel, u.line))
     return units
+
+
+def describe_skipped(skipped: Counter) -> str:
+    """'N hidden and M cache files/folders (...)' for discover's `skipped` counts."""
+    parts = [f"{skipped[k]} {k}" for k in ("hidden", "cache") if skipped.get(k)]
+    return f"{' and '.join(parts)} files/folders (names starting with '.', __pycache__, .pyc/.pyo)"
 
 
 def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool, max_text_bytes: int,

@@ -32,6 +32,7 @@ from .ingest import IngestSettings, Unit, discover, process_unit
 from .validate import json_safe, printable
 from .manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir, read_manifest, write_json_atomic
 from .outlock import OutputLock
+from .progress import bar_wanted, hms
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +191,13 @@ def build(
     standalone_referenced: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    progress_seconds: float = 30.0,
+    include_hidden: bool = False,
 ) -> dict:
     """Build (or resume) a shard directory `out` from `sources`; return a summary dict with
-    documents, shards, rejects by code, duplicates, bytes, seconds and whether it resumed."""
+    documents, shards, rejects by code, duplicates, bytes, seconds, whether it resumed and the
+    hidden and cache files/folders discovery skipped. `progress`: a bar on a terminal, else a log
+    line every `progress_seconds` (0: none)."""
     ingest = ingest or IngestSettings()
     if not _NAME_RE.match(name):
         raise ValueError(f"--name must use letters, digits, '-' and '_' only, got {name!r}")
@@ -206,11 +211,12 @@ def build(
     with OutputLock(out, f"data build into {out}"):
         return _build_locked(sources, out, name=name, workers=workers, part=part, shard_max_docs=shard_max_docs,
                              shard_max_bytes=shard_max_bytes, dedup=dedup, ingest=ingest,
-                             standalone_referenced=standalone_referenced, overwrite=overwrite, progress=progress, t0=t0)
+                             standalone_referenced=standalone_referenced, overwrite=overwrite, progress=progress,
+                             progress_seconds=progress_seconds, include_hidden=include_hidden, t0=t0)
 
 
 def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_max_bytes, dedup, ingest,
-                  standalone_referenced, overwrite, progress, t0) -> dict:
+                  standalone_referenced, overwrite, progress, progress_seconds, include_hidden, t0) -> dict:
     settings = {
         "sources": [printable(os.path.normpath(s)) for s in sources],
         "name": name,
@@ -219,10 +225,12 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
         "shard_max_bytes": shard_max_bytes,
         "dedup": dedup,
         "standalone_referenced": standalone_referenced,
+        **({"include_hidden": True} if include_hidden else {}),  # absent by default: older builds still resume
         **ingest.to_dict(),
     }
+    skipped = Counter()
     units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes,
-                     undeclared_encoding=ingest.text.undeclared_encoding)
+                     undeclared_encoding=ingest.text.undeclared_encoding, include_hidden=include_hidden, skipped=skipped)
     order = None  # part builds: each unit's index in the whole input set, for dedup across parts in `merge`
     whole = None
     if part[1] > 1:
@@ -258,7 +266,7 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
     journal = open(os.path.join(out, JOURNAL), "a", encoding="utf-8")
     state = _Span(start)
     writer: DeterministicTarWriter | None = None
-    bar = _Progress(len(units) - start, enabled=progress)
+    bar = _Progress(len(units) - start, enabled=progress, every=progress_seconds)
     pause = float(os.environ.get(_PAUSE_ENV, "0") or 0)
     try:
         for i, res in enumerate(iter_results(units[start:], ingest, workers), start=start):
@@ -305,7 +313,7 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
     finally:
         journal.close()
         bar.close()
-    return _finalize(out, header, settings, time.perf_counter() - t0, resumed=bool(start))
+    return {**_finalize(out, header, settings, time.perf_counter() - t0, resumed=bool(start)), "skipped": dict(skipped)}
 
 
 class _Span:
@@ -471,30 +479,46 @@ def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed
 
 
 class _Progress:
-    """tqdm bar over inputs with docs/s and MB/s in the postfix."""
+    """Progress over inputs: a tqdm bar with docs/s and MB/s when stderr is a terminal that reports
+    a width, otherwise (a log file, a pipe, a Slurm job) one log line every `every` seconds with the
+    inputs done, documents, docs/s, MB/s and the time left, as training does (0: none)."""
 
-    def __init__(self, total: int, *, enabled: bool):
+    def __init__(self, total: int, *, enabled: bool, every: float = 30.0):
         self.bar = None
-        if enabled:
+        self.total, self.every, self.enabled = total, every, enabled
+        if enabled and bar_wanted(sys.stderr):
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="input", desc="build", file=sys.stderr, dynamic_ncols=True)
+        self.done = 0
         self.docs = 0
         self.bytes = 0
         self.t0 = time.perf_counter()
         self.last = 0.0
+        self.last_line = self.t0
 
     def update(self, res: dict) -> None:
+        self.done += 1
         if res["doc"] is not None:
             self.docs += 1
             self.bytes += sum(len(d) for _, d in res["members"])
+        now = time.perf_counter()
         if self.bar is None:
+            if self.enabled and self.every > 0 and now - self.last_line >= self.every:
+                self.last_line = now
+                log.info("%s", self.line(now))
             return
         self.bar.update(1)
-        now = time.perf_counter()
         if now - self.last > 0.5:
             self.last = now
             self._postfix(now)
+
+    def line(self, now: float) -> str:
+        el = max(1e-9, now - self.t0)
+        left = (self.total - self.done) * el / self.done if self.done else 0.0
+        return (f"build: {self.done:,}/{self.total:,} inputs ({100 * self.done / max(self.total, 1):.0f}%), "
+                f"{self.docs:,} documents, {self.docs / el:.1f} docs/s, {self.bytes / el / 1e6:.2f} MB/s, "
+                f"elapsed {hms(el)}, left ~{hms(left)}")
 
     def _postfix(self, now: float) -> None:
         el = max(1e-9, now - self.t0)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from omniloom.data.progress import bar_wanted, hms
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class MetricsLogger:
                 _write_hparams(accelerator.get_tracker("tensorboard", unwrap=True), _flat_hparams(hparams or {}))
             except Exception as err:  # a tracker that cannot start must not kill the run
                 log.warning("TensorBoard tracker disabled: %s", err)
-        if progress and _is_terminal(sys.stderr) and not _zero_width(sys.stderr):
+        if progress and bar_wanted(sys.stderr):
             # a terminal that reports 0 columns (COLUMNS=0, some CI ptys) would get an empty bar:
             # it gets the periodic lines instead
             from tqdm.auto import tqdm
@@ -206,9 +207,9 @@ class MetricsLogger:
         done = step - self.start_step
         parts = [f"step {step}/{self.total_steps} ({100.0 * step / max(self.total_steps, 1):.0f}%)"]
         parts += [f"{k} {f'{v:.4g}' if isinstance(v, float) else v}" for k, v in postfix.items()]
-        parts.append(f"elapsed {_hms(elapsed)}")
+        parts.append(f"elapsed {hms(elapsed)}")
         if 0 < done and step < self.total_steps:
-            parts.append(f"left ~{_hms(elapsed / done * (self.total_steps - step))}")
+            parts.append(f"left ~{hms(elapsed / done * (self.total_steps - step))}")
         return ", ".join(parts)
 
     def close(self) -> None:
@@ -232,31 +233,6 @@ def _write_hparams(writer, flat: dict) -> None:
     for summary in (exp, ssi, sei):
         writer.file_writer.add_summary(summary)
     writer.flush()
-
-
-def _is_terminal(stream) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
-
-
-def _zero_width(stream) -> bool:
-    """A terminal that reports 0 columns (a pty nobody sized, as some CI runners make) or a
-    COLUMNS=0 environment: tqdm would draw nothing there."""
-    if os.environ.get("COLUMNS", "").strip() == "0":
-        return True
-    try:
-        return os.get_terminal_size(stream.fileno()).columns == 0
-    except (AttributeError, ValueError, OSError):  # no file descriptor: let tqdm decide
-        return False
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

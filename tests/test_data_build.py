@@ -259,3 +259,43 @@ def test_a_crashing_input_becomes_a_reject_not_a_dead_build(tmp_path, monkeypatc
     assert s["documents"] == 11 and s["rejects"] == {"worker-crash": 1}
     rej = json.loads((tmp_path / "out" / "rejects.jsonl").read_text())
     assert rej["path"].endswith("t05.txt") and "killed the worker" in rej["reason"]
+
+
+def test_caches_and_hidden_folders_are_skipped_and_counted_unless_asked(tmp_path, capsys):
+    """Issue 28.5: a source tree's __pycache__ (.pyc files, each a 'PyAV cannot open it' reject) and
+    hidden folders are skipped by default, counted in the summary; --include-hidden builds them."""
+    from omniloom.pretrain.cli import main
+
+    src = tmp_path / "src"
+    (src / "pkg" / "__pycache__").mkdir(parents=True)
+    (src / ".git").mkdir()
+    (src / "pkg" / "mod.py").write_text("x = 1\n")
+    (src / "pkg" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"\xa7\r\r\n" + bytes(60))
+    (src / "pkg" / "legacy.pyc").write_bytes(b"\x03\xf3\r\n" + bytes(60))
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    summary = build([str(src)], str(tmp_path / "out"), progress=False)
+    assert summary["documents"] == 1 and summary["rejects"] == {} and summary["skipped"] == {"hidden": 1, "cache": 2}
+    assert main(["-q", "data", "build", str(src), "--out", str(tmp_path / "out2")]) == 0
+    assert "skipped: 1 hidden and 2 cache files/folders" in capsys.readouterr().out
+    every = build([str(src)], str(tmp_path / "all"), progress=False, include_hidden=True)
+    assert every["units"] == 4 and every["skipped"] == {} and read_manifest(tmp_path / "all")["settings"]["include_hidden"]
+    assert "include_hidden" not in read_manifest(tmp_path / "out")["settings"]  # a default build resumes as before
+
+
+def test_a_build_without_a_terminal_logs_progress_lines(tmp_path, caplog):
+    """Issue 28.5: with output to a log file or a pipe, `data build` printed one line at the start and
+    nothing until the summary; it now logs a progress line every --progress-seconds."""
+    import logging
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(5):
+        (src / f"doc{i}.txt").write_text(f"document number {i} with some words\n")
+    with caplog.at_level(logging.INFO, logger="omniloom.data.shards"):
+        build([str(src)], str(tmp_path / "out"), progress=True, progress_seconds=1e-9)  # stderr is not a terminal here
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("build: ")]
+    assert len(lines) == 5 and lines[-1].startswith("build: 5/5 inputs (100%), 5 documents,") and "docs/s" in lines[-1]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="omniloom.data.shards"):
+        build([str(src)], str(tmp_path / "quiet"), progress=False, progress_seconds=1e-9)
+    assert not [r for r in caplog.records if r.getMessage().startswith("build: ")]
