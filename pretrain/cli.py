@@ -57,11 +57,16 @@ def _cli_modules():
                 raise
 
 
-def setup_logging(verbosity: int) -> None:
-    level = logging.INFO if verbosity == 0 else (logging.DEBUG if verbosity > 0 else logging.WARNING)
-    if verbosity < -1:
-        level = logging.ERROR
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", force=True)
+def setup_logging(verbosity: int, *, prefix: str = "") -> None:
+    """The console keeps to omniloom's own lines: at the default verbosity omniloom logs INFO and
+    every other library (accelerate's lines per checkpoint, matplotlib's font cache, ...) only
+    warnings; -v shows omniloom's DEBUG and the others' INFO, -vv everything; -q warnings only,
+    -qq errors only. `prefix` starts every line (the rank, for ranks other than 0)."""
+    own = {0: logging.INFO, 1: logging.DEBUG, -1: logging.WARNING}.get(verbosity, logging.DEBUG if verbosity > 0 else logging.ERROR)
+    others = {0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG if verbosity > 1 else own)
+    logging.basicConfig(level=others, format=prefix + "%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        force=True)
+    logging.getLogger("omniloom").setLevel(own)
 
 
 def build_parser() -> argparse.ArgumentParser:

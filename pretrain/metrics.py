@@ -121,13 +121,28 @@ class StepTimer:
         return totals
 
 
+def peak_memory(device: torch.device | None) -> tuple[int, str]:
+    """(bytes, what) of this process's peak memory so far: the CUDA caching allocator's largest
+    allocation ("GPU") on a CUDA device, else the peak resident set size ("RSS"). A host read of
+    counters: no device sync."""
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated(device)), "GPU"
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024), "RSS"  # macOS says bytes, Linux KiB
+    except (ImportError, OSError):
+        return 0, "RSS"
+
+
 class MetricsLogger:
     """Rank-0 sink for metric dicts: one JSON object per line in `run_dir/metrics.jsonl`, the
     accelerate trackers (TensorBoard under `run_dir/tb` when enabled), and progress: a tqdm bar
     (loss, tokens/s) when `progress` and stderr is a terminal that reports a width, otherwise
     (a launcher, a pipe, a log file, a pty of 0 columns or COLUMNS=0) one log line every
-    `progress_seconds` (step, loss, tokens/s, elapsed, time left) so that the run is never silent
-    for minutes. `progress_seconds=0` turns the lines off.
+    `progress_seconds` (step, loss, tokens/s, the mean step time since the last line, the peak
+    memory so far, elapsed, time left) so that the run is never silent for minutes. `progress_seconds=0` turns the lines off.
 
     Other ranks get a logger whose methods do nothing, so the loop needs no rank checks."""
 
@@ -142,6 +157,7 @@ class MetricsLogger:
         self.total_steps, self.start_step = total_steps, start_step
         self.progress_seconds = progress_seconds
         self._t0 = self._last_line = time.perf_counter()
+        self._line_step = start_step  # the step of the last periodic line: step time is the mean since
         self._tokens0: int | None = None
         if not self.enabled:
             return
@@ -198,7 +214,12 @@ class MetricsLogger:
             return
         last = step >= self.total_steps
         if self.progress_seconds > 0 and (now - self._last_line >= self.progress_seconds or last):
-            self._last_line = now
+            if step > self._line_step:
+                postfix["step time"] = f"{(now - self._last_line) / (step - self._line_step):.2f}s"
+            peak, what = peak_memory(getattr(self.acc, "device", None))
+            if peak:
+                postfix["peak mem"] = f"{peak / 2**30:.2f} GiB ({what})"
+            self._last_line, self._line_step = now, step
             log.info("%s", self.progress_line(step, postfix, now))
 
     def progress_line(self, step: int, postfix: dict, now: float | None = None) -> str:

@@ -635,10 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     # Rank 0 tells the story; the other ranks speak only to warn, and say who they are.
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=("" if rank == 0 else f"[rank {rank}] ") + "%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    from .cli import USER_ERRORS
+    from .cli import USER_ERRORS, setup_logging
+
+    setup_logging(0 if rank == 0 else -1, prefix="" if rank == 0 else f"[rank {rank}] ")
 
     try:
         result = run(config_from_args(args), progress=not args.no_progress)

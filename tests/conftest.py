@@ -19,13 +19,15 @@ sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 @pytest.fixture(autouse=True)
 def _restore_process_settings():
     """`omniloom.pretrain.cli.main` configures the process it runs in: the root logger (a handler
-    on the stderr of the moment, INFO level) and torch's thread count. In a test that stream is
+    on the stderr of the moment), the `omniloom` logger's level and torch's thread count. In a test that stream is
     pytest's capture, closed when the test ends (a later test's INFO line would print '--- Logging
     error ---'), and a changed thread count would change the tests after it."""
     import logging
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    own = logging.getLogger("omniloom")
+    own_level = own.level  # setup_logging sets omniloom's level apart from the root's
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None
     yield
@@ -38,6 +40,7 @@ def _restore_process_settings():
         if h not in root.handlers:
             root.addHandler(h)
     root.setLevel(level)
+    own.setLevel(own_level)
 
 
 def pytest_addoption(parser):

@@ -78,3 +78,26 @@ def test_bench_all_runs_each_and_writes_one_table(tmp_path, capsys):
     assert _bench_all(args, sub) == 1  # a failure is reported, and the other figures are kept
     text = out.read_text()
     assert "3.0x faster" in text and "| `omniloom bench fast` | ok |" in text and "| `omniloom bench broken` | exit 1 |" in text
+
+
+@pytest.mark.parametrize("verbosity, ours, theirs", [(0, True, False), (1, True, True), (-1, False, False)])
+def test_the_console_keeps_to_omniloom_lines_unless_verbose(verbosity, ours, theirs, capsys):
+    """Issue 28.7: accelerate's INFO lines at every checkpoint and matplotlib's font-cache line
+    reached the console at the default verbosity; other libraries' INFO now shows only at -v."""
+    import logging
+
+    from omniloom.pretrain.cli import setup_logging
+
+    own_level = logging.getLogger("omniloom").level
+    try:
+        setup_logging(verbosity)
+        logging.getLogger("omniloom.pretrain.checkpoint").info("saved checkpoint step_1")
+        logging.getLogger("accelerate.checkpointing").info("Model weights saved in x")
+        logging.getLogger("matplotlib.font_manager").info("generated new fontManager")
+        logging.getLogger("accelerate.checkpointing").warning("a warning always shows")
+        err = capsys.readouterr().err
+    finally:
+        logging.getLogger("omniloom").setLevel(own_level)
+    assert ("saved checkpoint step_1" in err) == ours
+    assert ("Model weights saved" in err) == theirs and ("fontManager" in err) == theirs
+    assert "a warning always shows" in err

@@ -307,7 +307,8 @@ def test_loss_falls_and_metrics_are_logged(tmp_path):
 
 def test_training_logs_progress_lines_with_tokens_per_second(tmp_path, caplog):
     """Issue 15.6: without a terminal the loop itself reports progress (a periodic line; the last
-    step always), with the step, the loss, the learning rate and tokens/s."""
+    step always), with the step, the loss, the learning rate and tokens/s; issue 28.7: and the mean
+    step time since the last line and the peak memory (RSS on CPU)."""
     import logging
 
     trainer = _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=0", "logging.progress_seconds=0.000001")
@@ -316,7 +317,8 @@ def test_training_logs_progress_lines_with_tokens_per_second(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     assert len(lines) == 2, lines
     assert lines[0].startswith("step 1/2 (50%), loss ") and "left ~" in lines[0]
-    assert re.match(r"step 2/2 \(100%\), loss [\d.]+, lr [\d.e-]+, tok/s [\d,]+, elapsed \d+s$", lines[1]), lines[1]
+    assert re.match(r"step 2/2 \(100%\), loss [\d.]+, lr [\d.e-]+, tok/s [\d,]+, step time [\d.]+s, "
+                    r"peak mem [\d.]+ GiB \(RSS\), elapsed \d+s$", lines[1]), lines[1]
 
 
 def test_ddp_does_not_search_for_unused_parameters_by_default(tmp_path):
