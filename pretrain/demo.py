@@ -171,7 +171,11 @@ def _summary(out: Path, timings: dict) -> None:
             docs = (ev.get("counts") or {}).get("docs")
             print(f"  held-out loss (omniloom eval{f', {docs} documents' if docs else ''}, nats/token): {fmt(ev['loss'])}")
         if "cross_modal_gap" in ev:
-            print(f"  cross-modal gap (nats/token; > 0: the model reads its pixels): {fmt(ev['cross_modal_gap'], '+')}")
+            from .evaluate import describe_gap
+
+            detail = ev.get("cross_modal_gap_detail") or {}
+            print("  cross-modal gap (nats/token; > 0: the model reads its pixels): "
+                  + "; ".join(f"{k} {describe_gap(v, detail.get(k))}" for k, v in sorted(ev["cross_modal_gap"].items())))
     metrics = out / "run" / "metrics.jsonl"
     if metrics.exists():
         from .metrics import read_metrics

@@ -15,6 +15,13 @@ re-tokenized to this document's grid, so the token layout and positions stay ide
 in nats/token, reported separately for image documents and video documents (documents holding both
 are reported as "mixed" in the details). Text before the first block cannot see it (causal), so it
 is left out; a model that reads its visual tokens gets a positive gap, one that ignores them ~0.
+
+Its uncertainty is over documents (`gap_interval`): the gap is a ratio of sums over documents (the
+loss difference summed over each document's text targets, over the targets), so its standard
+error is the ratio estimator's, from the per-document residuals, and the 95% interval is the gap
+plus or minus Student's t (documents - 1 degrees of freedom) times it. A gap whose interval holds 0
+is reported as not distinguishable from 0: a barely trained model's gap is mostly which donor
+each document happened to get.
 """
 
 from __future__ import annotations
@@ -196,6 +203,7 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
     counts: Counter = Counter()
     pool: dict[int, deque] = {IMAGE: deque(maxlen=DONOR_POOL), VIDEO: deque(maxlen=DONOR_POOL)}
     pending: list[tuple[int, object]] = []  # visual docs seen before any donor of their kind
+    per_doc: dict[str, list[tuple[float, int]]] = defaultdict(list)  # kind -> (donor - own CE sum, targets) per document
 
     def score_gap(index: int, doc) -> bool:
         donors = []
@@ -214,11 +222,14 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
         swapped = type(doc)(ids_L=doc.ids_L, modality_L=doc.modality_L, positions_3L=doc.positions_3L, blocks=donors, key=doc.key)
         first_end = min(b.start + b.length for b in doc.blocks)
         kind = _doc_kind(doc)
+        sums = {}
         for name, d in (("own", doc), ("donor", swapped)):
             ce, tmod, valid = _token_losses(model, d, max_len, patch_width)
             sel = valid & ((tmod == TEXT) | (tmod == CODE))
             sel[:first_end] = False
-            gap[name].add(kind, float(ce[sel].sum()), int(sel.sum()))
+            sums[name] = (float(ce[sel].sum()), int(sel.sum()))
+            gap[name].add(kind, *sums[name])
+        per_doc[kind].append((sums["donor"][0] - sums["own"][0], sums["own"][1]))
         counts[f"gap_docs_{kind}"] += 1
         return True
 
@@ -292,8 +303,52 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
             result["cross_modal_gap"][kind] = value
         if value is not None:
             result["cross_modal_gap_detail"][kind] = {"own_visual_loss": own, "donor_visual_loss": donor, "gap": value,
-                                                      "text_tokens": gap["own"].n[kind], "docs": counts[f"gap_docs_{kind}"]}
+                                                      "text_tokens": gap["own"].n[kind], "docs": counts[f"gap_docs_{kind}"],
+                                                      **gap_interval(per_doc[kind])}
     return result
+
+
+def _t975(df: int) -> float:
+    """Student's t 97.5% quantile: exact for 1 and 2 degrees of freedom, else the Cornish-Fisher
+    expansion around the normal quantile (within 1% from 3 on)."""
+    if df <= 2:
+        return (12.7062, 4.3027)[max(df, 1) - 1]
+    z = 1.959964
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+
+
+def gap_interval(per_doc: list[tuple[float, int]]) -> dict:
+    """Standard error and 95% interval of the gap sum(d) / sum(n) over documents (d: a document's
+    donor-minus-own CE summed over its text targets, n: its targets); `distinguishable_from_zero`
+    when the interval excludes 0. Fewer than 2 documents (or no targets): no interval."""
+    docs = [(d, n) for d, n in per_doc if n > 0]
+    total = sum(n for _, n in docs)
+    if len(docs) < 2 or total <= 0:
+        return {"stderr": None, "ci95": None, "distinguishable_from_zero": False}
+    ratio = sum(d for d, _ in docs) / total
+    m = len(docs)
+    var = m / (m - 1) * sum((d - ratio * n) ** 2 for d, n in docs) / total ** 2
+    se = math.sqrt(var)
+    half = _t975(m - 1) * se
+    lo, hi = ratio - half, ratio + half
+    return {"stderr": se, "ci95": [lo, hi], "distinguishable_from_zero": bool(lo > 0 or hi < 0)}
+
+
+def describe_gap(value: float | None, detail: dict | None) -> str:
+    """'+0.1655 (95% CI -0.28 to +0.6117, 12 documents: not distinguishable from 0)' for the CLI,
+    the demo's summary and the report (4 significant digits; the value alone for an eval.json
+    written before intervals were)."""
+    if value is None:
+        return "n/a"
+    detail = detail or {}
+    if "ci95" not in detail:
+        return f"{value:+.4g}"
+    ci, docs = detail["ci95"], detail.get("docs")
+    if not ci:
+        return f"{value:+.4g} ({docs} document(s): too few for an interval; not distinguishable from 0)"
+    verdict = "distinguishable from 0" if detail.get("distinguishable_from_zero") else "not distinguishable from 0"
+    return f"{value:+.4g} (95% CI {ci[0]:+.4g} to {ci[1]:+.4g}, {docs} documents: {verdict})"
 
 
 def _ppl(loss: float) -> float:

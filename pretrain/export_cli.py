@@ -35,7 +35,7 @@ def _set_threads(n: int | None) -> None:
 def _eval(args) -> int:
     import torch
 
-    from .evaluate import evaluate, open_model
+    from .evaluate import describe_gap, evaluate, open_model
 
     _set_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,9 +55,9 @@ def _eval(args) -> int:
           + (f"; {skipped} skipped: {c['skipped']}" if skipped else ""))
     loss = result["loss"]
     print("loss (nats/token): " + ", ".join(f"{k}={v:.4f}" for k, v in loss.items()))
-    gap = result["cross_modal_gap"]
+    gap, detail = result["cross_modal_gap"], result.get("cross_modal_gap_detail") or {}
     print("cross-modal gap (nats/token, donor visual - own visual): "
-          + ", ".join(f"{k}={'n/a' if v is None else f'{v:+.4f}'}" for k, v in gap.items()))
+          + "; ".join(f"{k}={describe_gap(v, detail.get(k))}" for k, v in gap.items()))
     cov = result.get("block_coverage")
     if cov:
         print("B-layer coverage (dense attention mass in the selected blocks): "
@@ -114,7 +114,9 @@ def register(sub) -> None:
         description="Score held-out shards one document at a time: loss and perplexity by target modality and by "
         "document kind, and the cross-modal gap: text loss with another document's image/video minus text loss "
         "with the document's own, in nats/token, for image and video documents (positive: the model reads its "
-        "visual tokens). Writes JSON with keys loss, perplexity, cross_modal_gap, counts.",
+        "visual tokens), with its 95% interval over documents and whether it is distinguishable from 0 "
+        "(cross_modal_gap_detail: stderr, ci95, distinguishable_from_zero). Writes JSON with keys loss, perplexity, "
+        "cross_modal_gap, cross_modal_gap_detail, counts.",
     )
     p.add_argument("model", metavar="DIR_OR_RUN", help="an export folder, a run folder or a checkpoint folder")
     p.add_argument("--data", required=True, help="held-out shards: a folder with manifest.json, a brace pattern or URL (comma-separate several)")

@@ -93,7 +93,15 @@ def test_summary_prints_eval_figures_with_four_significant_digits(tmp_path, caps
     _summary(tmp_path, {"eval": 9.8})
     out = capsys.readouterr().out
     assert "held-out loss (omniloom eval, 298 documents, nats/token): all 0.3296, text 0.3178" in out
-    assert "image +1.627, video n/a" in out and "0.3295930972540403" not in out
+    assert "image +1.627; video n/a" in out and "0.3295930972540403" not in out
+    (tmp_path / "eval.json").write_text(json.dumps({
+        "cross_modal_gap": {"image": 0.1655, "video": 1.6265296126681033},
+        "cross_modal_gap_detail": {"image": {"docs": 12, "ci95": [-0.2812, 0.6122], "distinguishable_from_zero": False},
+                                   "video": {"docs": 40, "ci95": [1.2, 2.05], "distinguishable_from_zero": True}}}))
+    _summary(tmp_path, {})
+    out = capsys.readouterr().out  # issue 28.9: the interval, and whether the gap is told apart from 0
+    assert ("image +0.1655 (95% CI -0.2812 to +0.6122, 12 documents: not distinguishable from 0); "
+            "video +1.627 (95% CI +1.2 to +2.05, 40 documents: distinguishable from 0)") in out
 
 
 def test_ctrl_c_lets_a_stage_stop_cleanly_and_the_demo_says_how_to_continue(tmp_path):

@@ -82,7 +82,7 @@ def setup(tmp_path_factory):
     return root, tok, n
 
 
-def test_eval_cli_reports_losses_perplexity_and_gap(setup, tmp_path):
+def test_eval_cli_reports_losses_perplexity_and_gap(setup, tmp_path, capsys):
     from omniloom.pretrain.export import save_export
 
     root, tok, n = setup
@@ -90,6 +90,12 @@ def test_eval_cli_reports_losses_perplexity_and_gap(setup, tmp_path):
     out = tmp_path / "eval.json"
     assert main(["-qq", "eval", str(tmp_path / "export"), "--data", str(root / "shards"), "--out", str(out), "--no-progress"]) == 0
     res = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    for kind in ("image", "video"):  # issue 28.9: the gap's interval over documents, in the JSON and the print
+        d = res["cross_modal_gap_detail"][kind]
+        assert d["stderr"] > 0 and d["ci95"][0] < d["gap"] < d["ci95"][1]
+        assert d["distinguishable_from_zero"] == (d["ci95"][0] > 0 or d["ci95"][1] < 0)
+        assert f"{kind}={res['cross_modal_gap'][kind]:+.4g} (95% CI {d['ci95'][0]:+.4g} to {d['ci95'][1]:+.4g}, {d['docs']} documents" in printed
     assert res["counts"]["docs"] == n and res["counts"]["skipped"] == {}
     for key in ("all", "text", "code", "special"):
         assert res["loss"][key] > 0 and math.isclose(res["perplexity"][key], math.exp(res["loss"][key]), rel_tol=1e-9)
@@ -114,6 +120,27 @@ def test_gap_is_zero_when_the_model_cannot_see_pixels(setup):
     res = evaluate(model, tok, str(root / "shards"), progress=False)
     assert res["cross_modal_gap"] == {"image": 0.0, "video": 0.0}
     assert res["cross_modal_gap_detail"]["image"]["text_tokens"] > 0
+    assert res["cross_modal_gap_detail"]["image"]["distinguishable_from_zero"] is False
+
+
+def test_the_gaps_interval_is_the_ratio_estimators_over_documents():
+    """Issue 28.9: the gap sum(d) / sum(n) gets its standard error from the documents; with equal
+    target counts that is the standard error of the per-document means, and the 95% interval is
+    t(m - 1) times it either side."""
+    import statistics
+
+    from omniloom.pretrain.evaluate import _t975, gap_interval
+
+    means = [0.9, -0.4, 1.3, 0.1, -0.7, 0.5]  # per-document gaps, 10 targets each
+    got = gap_interval([(10 * g, 10) for g in means])
+    se = statistics.stdev(means) / math.sqrt(len(means))
+    assert math.isclose(got["stderr"], se, rel_tol=1e-9)
+    assert got["ci95"] == pytest.approx([statistics.mean(means) - _t975(5) * se, statistics.mean(means) + _t975(5) * se])
+    assert got["distinguishable_from_zero"] is False
+    assert math.isclose(_t975(5), 2.5706, rel_tol=2e-3) and math.isclose(_t975(30), 2.0423, rel_tol=1e-3)
+    steady = gap_interval([(10 * (1.0 + 0.01 * i), 10) for i in range(8)])
+    assert steady["distinguishable_from_zero"] is True and steady["ci95"][0] > 0.9
+    assert gap_interval([(3.0, 10)]) == {"stderr": None, "ci95": None, "distinguishable_from_zero": False}
 
 
 def test_eval_on_a_checkpoint_and_max_docs(setup, tmp_path):
