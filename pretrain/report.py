@@ -1,14 +1,17 @@
 """`omniloom report RUN`: an HTML page with PNG plots of a training run.
 
 Reads `RUN/metrics.jsonl` (written by the trainer) and, when given, the JSON of `omniloom eval`;
-writes `RUN/report/index.html` beside its PNGs, so the folder opens in any browser offline.
-Plots: loss overall and per modality (train and held-out), learning rate, gradient norm,
-tokens/s, expert load per layer and modality (heatmap), padding fraction and data-loader wait,
-final-layer output norm, and the cross-modal gap.
+writes `RUN/report/index.html`, one self-contained file (the plots inline as data: URIs, so it can
+be mailed or attached to an issue), and the PNGs beside it. Plots: loss overall and per modality
+(raw values faint, a moving average over them), held-out loss, learning rate, gradient norm,
+tokens/s, expert load per layer and modality (heatmaps), padding fraction and data-loader wait,
+final-layer output norm (its trend, and jumps against it), and the cross-modal gap with its
+interval.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import math
@@ -27,7 +30,28 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
-def _line_plot(path: Path, title: str, curves: list[tuple[str, list[int], list[float]]], *, ylabel: str, logy: bool = False) -> bool:
+SMOOTH_MIN_POINTS = 10  # fewer points are drawn as they are
+
+
+def smooth(ys: list[float], span: int) -> list[float]:
+    """Exponential moving average over about `span` points, debiased at the start (TensorBoard's
+    smoothing): per-step losses of mixed modalities jump (0.9 on a caption, 4.8 on code)."""
+    alpha, mean, weight, out = 2.0 / (span + 1), 0.0, 0.0, []
+    for y in ys:
+        mean = (1 - alpha) * mean + alpha * y
+        weight = (1 - alpha) * weight + alpha
+        out.append(mean / weight)
+    return out
+
+
+def smoothing_span(n: int) -> int:
+    return max(3, n // 20)
+
+
+def _line_plot(path: Path, title: str, curves: list[tuple[str, list[int], list[float]]], *, ylabel: str, logy: bool = False,
+               smoothed: bool = False) -> bool:
+    """One line per curve; with `smoothed`, a curve of SMOOTH_MIN_POINTS or more is drawn raw
+    (faint) under its moving average (`smooth`)."""
     curves = [c for c in curves if c[1]]
     if not curves:
         return False
@@ -38,6 +62,10 @@ def _line_plot(path: Path, title: str, curves: list[tuple[str, list[int], list[f
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     for label, xs, ys in curves:
+        if smoothed and len(xs) >= SMOOTH_MIN_POINTS:
+            (raw,) = ax.plot(xs, ys, linewidth=0.6, alpha=0.3)
+            ax.plot(xs, smooth(ys, smoothing_span(len(ys))), color=raw.get_color(), label=label)
+            continue
         ax.plot(xs, ys, label=label, marker="o" if len(xs) < 12 else None, markersize=3)
     ax.set_title(title)
     ax.set_xlabel("step")
@@ -53,10 +81,62 @@ def _line_plot(path: Path, title: str, curves: list[tuple[str, list[int], list[f
     return True
 
 
+JUMP = 1.5  # an output RMS this many times its trend so far is a sudden jump, the sign of divergence
+
+
+def norm_jumps(xs: list[int], ys: list[float]) -> list[int]:
+    """Indices of the values at least JUMP times the trend of the values before them (their
+    moving average): a sudden jump, unlike the steady growth a healthy run shows."""
+    if len(ys) < 3:
+        return []
+    trend = smooth(ys, smoothing_span(len(ys)))
+    return [i for i in range(2, len(ys)) if trend[i - 1] > 0 and ys[i] >= JUMP * trend[i - 1]]
+
+
+def _out_norm_plot(path: Path, rows: list[dict]) -> bool:
+    """The final-layer output RMS with its trend, and the points that jump against the trend."""
+    xs, ys = _series(rows, "final_out_rms")
+    if not xs:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    ax.plot(xs, ys, linewidth=0.8, alpha=0.6, label="RMS", marker="o" if len(xs) < 12 else None, markersize=3)
+    if len(xs) >= 3:
+        ax.plot(xs, smooth(ys, smoothing_span(len(ys))), color="black", linewidth=1.2, label="trend (steady growth is normal)")
+    jumps = norm_jumps(xs, ys)
+    if jumps:
+        ax.scatter([xs[i] for i in jumps], [ys[i] for i in jumps], color="red", zorder=3,
+                   label=f"sudden jump (>= {JUMP:g}x the trend): check loss and grad norm")
+    ax.set_title("final-layer output RMS")
+    ax.set_xlabel("step")
+    ax.set_ylabel("RMS")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
+    fig = _expert_figure(rows)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _expert_figure(rows: list[dict]):
     """Token share per expert, one panel per modality, MoE layers down (counted among MoE layers
     only: leading dense layers have no experts) and experts across, from the last logged
-    `moe/counts_LME`; falls back to max/mean imbalance per (layer, modality)."""
+    `moe/counts_LME`; falls back to max/mean imbalance per (layer, modality). A Figure, or None."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,24 +149,33 @@ def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
         moe_layers = [i for i in range(arr.shape[0]) if arr[i].sum() > 0]
         mods = [m for m in range(arr.shape[1]) if arr[moe_layers, m].sum() > 0] if moe_layers else []
         if not mods:
-            return False
-        fig, axes = plt.subplots(1, len(mods), figsize=(3.2 * len(mods) + 1, 0.5 * len(moe_layers) + 2), dpi=100, squeeze=False)
-        for ax, m in zip(axes[0], mods):
+            return None
+        # one full-width panel per modality, stacked: cells large enough to read, each annotated
+        # with its share when there are few enough to fit a label
+        num_e = arr.shape[2]
+        cell_w, cell_h = max(0.35, min(0.9, 9.0 / num_e)), 0.45
+        fig, axes = plt.subplots(len(mods), 1, figsize=(cell_w * num_e + 2.5, (cell_h * len(moe_layers) + 0.9) * len(mods) + 0.6),
+                                 dpi=110, squeeze=False)
+        for ax, m in zip(axes[:, 0], mods):
             sub = arr[moe_layers, m]
             share = sub / np.maximum(sub.sum(-1, keepdims=True), 1)
-            im = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0)
-            ax.set_title(f"{MODALITIES[m] if m < len(MODALITIES) else m}")
+            im = ax.imshow(share, aspect="auto", cmap="viridis", vmin=0, vmax=max(float(share.max()), 1e-9))
+            ax.set_title(f"{MODALITIES[m] if m < len(MODALITIES) else m} tokens: share per expert "
+                         f"(even load: {100 / num_e:.0f}% each)", fontsize=10)
+            ax.set_xticks(range(num_e))
             ax.set_xlabel("expert")
             ax.set_yticks(range(len(moe_layers)), [f"MoE layer {i}" for i in moe_layers])
-            fig.colorbar(im, ax=ax, fraction=0.046, label="token share")
-        fig.suptitle("expert load per layer and modality (last logged window)")
+            if num_e <= 32:
+                for (i, e), v in np.ndenumerate(share):
+                    ax.text(e, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=7,
+                            color="black" if v > 0.6 * share.max() else "white")
+            fig.colorbar(im, ax=ax, fraction=0.03, pad=0.02, label="token share")
+        fig.suptitle("expert load per layer and modality (last logged window; cells in %)")
         fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
-        return True
+        return fig
     last = next((r for r in reversed(rows) if any(k.startswith("moe/max_over_mean/layer") for k in r)), None)
     if last is None:
-        return False
+        return None
     layers = sorted({int(k.split("/")[2][5:]) for k in last if k.startswith("moe/max_over_mean/layer")})
     grid = np.full((len(layers), len(MODALITIES)), np.nan)
     for i, layer in enumerate(layers):
@@ -101,9 +190,7 @@ def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
     fig.colorbar(im, ax=ax, label="max / mean expert load")
     ax.set_title("expert load imbalance per layer and modality")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def _gap_figure(ev: dict):
@@ -117,9 +204,14 @@ def _gap_figure(ev: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    detail = ev.get("cross_modal_gap_detail") or {}
+    ci = [(detail.get(k) or {}).get("ci95") for k in gap]
+    # the 95% interval over documents as error bars (none where there was no interval)
+    yerr = [[v - c[0] if c else 0.0 for v, c in zip(gap.values(), ci)], [c[1] - v if c else 0.0 for v, c in zip(gap.values(), ci)]]
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    bars = ax.bar(list(gap), list(gap.values()), color=["#4a7dd6", "#d6894a", "#6ab04c"][: len(gap)])
-    ax.bar_label(bars, fmt="%.3g")
+    bars = ax.bar(list(gap), list(gap.values()), color=["#4a7dd6", "#d6894a", "#6ab04c"][: len(gap)],
+                  yerr=yerr if any(ci) else None, capsize=6)
+    ax.bar_label(bars, fmt="%.3g", label_type="center")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.margins(y=0.15)  # room for the bar labels
     ax.set_ylabel("nats / caption token")
@@ -180,12 +272,17 @@ def _eval_html(ev: dict) -> str:
         rows = []
         for kind in [*gap, *(k for k in detail if k not in gap)]:
             d = detail.get(kind) or {}
-            rows.append([kind, _sig(gap.get(kind, d.get("gap"))), _sig(d.get("own_visual_loss")),
-                         _sig(d.get("donor_visual_loss")), _sig(d.get("docs")), _sig(d.get("text_tokens"))])
+            ci = d.get("ci95")
+            verdict = ("yes" if d.get("distinguishable_from_zero") else "no") if "ci95" in d else "n/a"
+            rows.append([kind, _sig(gap.get(kind, d.get("gap"))), f"{_sig(ci[0])} to {_sig(ci[1])}" if ci else "n/a", verdict,
+                         _sig(d.get("own_visual_loss")), _sig(d.get("donor_visual_loss")), _sig(d.get("docs")),
+                         _sig(d.get("text_tokens"))])
         parts.append("<h3>Cross-modal gap</h3><p>Caption loss with another document's image or video minus with its "
-                     "own, in nats per caption token: positive means the model reads its visual tokens.</p>")
-        parts.append(_table(["kind", "gap", "loss with own visual", "loss with another's", "documents", "caption tokens"],
-                            rows, "cross_modal_gap"))
+                     "own, in nats per caption token: positive means the model reads its visual tokens. The 95% "
+                     "interval is over documents; a gap whose interval holds 0 is not distinguishable from 0 (which "
+                     "donor each document drew decides it, not the pixels).</p>")
+        parts.append(_table(["kind", "gap", "95% interval", "distinguishable from 0", "loss with own visual",
+                             "loss with another's", "documents", "caption tokens"], rows, "cross_modal_gap"))
     return "\n".join(parts)
 
 
@@ -243,10 +340,14 @@ def write_report(run_dir: str | Path, *, eval_json: str | Path | None = None, ou
         if made:
             sections.append((title, name, caption))
 
+    n_loss = len(_series(rows, "loss")[0])
     add("loss.png", "Loss per modality", _line_plot(out / "loss.png", "training loss", [
         ("overall", *_series(rows, "loss")),
         *[(m, *_series(rows, f"loss/{m}")) for m in MODALITIES],
-    ], ylabel="nats / token"), "Training cross-entropy overall and per modality (window means).")
+    ], ylabel="nats / token", smoothed=True),
+        "Training cross-entropy overall (every step) and per modality (window means). Faint: the raw values (a step "
+        "of captions and a step of code differ by several nats); solid: their moving average over about "
+        f"{smoothing_span(n_loss)} points (curves with fewer than {SMOOTH_MIN_POINTS} points are drawn as they are).")
     add("eval_loss.png", "Held-out loss per modality", _line_plot(out / "eval_loss.png", "held-out loss", [
         ("overall", *_series(rows, "eval/loss")),
         *[(m, *_series(rows, f"eval/loss/{m}")) for m in MODALITIES],
@@ -263,11 +364,14 @@ def write_report(run_dir: str | Path, *, eval_json: str | Path | None = None, ou
         ("padding fraction", *_series(rows, pad_key)),
         ("data-loader wait", *_series(rows, "data_wait_fraction")),
     ], ylabel="fraction"))
-    add("out_norm.png", "Final-layer output norm", _line_plot(out / "out_norm.png", "final-layer output RMS",
-                                                             [("rms", *_series(rows, "final_out_rms"))], ylabel="RMS"),
-        "Steady growth here is the early sign of divergence in from-scratch multimodal runs.")
+    add("out_norm.png", "Final-layer output norm", _out_norm_plot(out / "out_norm.png", rows),
+        "The final layer's output RMS per logged window. Steady growth over training is normal: a model learning to "
+        "be confident grows it (the demo's run goes from about 0.5 to 5 and trains well). A divergence shows as a "
+        f"sudden jump against the trend, a value {JUMP:g} times the moving average before it or more (red points), "
+        "usually with loss and gradient-norm spikes in the same steps.")
     add("gap.png", "Cross-modal gap", _gap_plot(out / "gap.png", ev),
-        "Caption loss with another document's visual minus with its own: positive means the model reads the pixels.")
+        "Caption loss with another document's visual minus with its own: positive means the model reads the pixels. "
+        "Error bars: the 95% interval over documents; a bar whose interval crosses 0 is not distinguishable from 0.")
 
     last_step = max((r["step"] for r in rows if isinstance(r.get("step"), int)), default=None)
     summary: dict = {}
@@ -289,8 +393,10 @@ def write_report(run_dir: str | Path, *, eval_json: str | Path | None = None, ou
     ]
     if ev:
         parts.append(_eval_html(ev))
-    for title, name, caption in sections:
-        parts.append(f"<h2>{html.escape(title)}</h2><img src='{name}' alt='{html.escape(title)}'>")
+    for title, name, caption in sections:  # inline: index.html is the whole report, to mail or attach
+        data = base64.b64encode((out / name).read_bytes()).decode("ascii")
+        parts.append(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{data}' alt='{html.escape(title)}' "
+                     f"title='{html.escape(name)}'>")
         if caption:
             parts.append(f"<p>{html.escape(caption)}</p>")
     parts.append("</body></html>")
@@ -311,8 +417,9 @@ def register(sub) -> None:
     p = sub.add_parser(
         "report",
         help="write an HTML report with plots of a training run",
-        description="Write RUN/report/index.html with PNG plots: loss per modality, learning rate, gradient norm, "
-        "tokens/s, expert load heatmap, padding fraction, output norm and (with --eval) the cross-modal gap.",
+        description="Write RUN/report/index.html, one self-contained page (plots inline; the PNGs are also written "
+        "beside it): loss per modality (raw and smoothed), learning rate, gradient norm, tokens/s, expert load heatmaps, "
+        "padding fraction, output norm (trend and jumps) and (with --eval) the cross-modal gap with its interval.",
     )
     p.add_argument("run", help="training run folder (holds metrics.jsonl)")
     p.add_argument("--eval", default=None, help="JSON written by `omniloom eval --out` (adds the cross-modal gap)")
