@@ -118,8 +118,9 @@ def register(sub) -> None:
     i.add_argument("dir", metavar="DIR")
     g = i.add_mutually_exclusive_group()
     g.add_argument("--key", help="the document with this sample key")
-    g.add_argument("--index", type=int, default=0, help="the document at this position in manifest order (default 0)")
-    i.add_argument("--count", type=int, default=None, help="how many documents from --index (default 1 on the terminal, 20 with --html)")
+    g.add_argument("--index", type=int, default=None, help="the document at this position in manifest order (default 0)")
+    i.add_argument("--count", type=int, default=None, help="how many documents from --index (default 1; 20 with --html and "
+                   "neither --index nor --key, a page to browse)")
     i.add_argument("--html", metavar="OUT", help="write a self-contained HTML page to OUT instead of printing")
     i.set_defaults(func=_inspect)
 
@@ -242,8 +243,11 @@ def _merge(args) -> int:
 def _inspect(args) -> int:
     from .inspect import render_html, render_text, select_samples
 
-    count = args.count if args.count is not None else (20 if args.html else 1)
-    docs = select_samples(args.dir, key=args.key, index=args.index, count=count)
+    # a document asked for by --index or --key is that one document, as on the terminal; --html
+    # alone is a page of the first 20 to browse
+    chosen = args.key is not None or args.index is not None
+    count = args.count if args.count is not None else (20 if args.html and not chosen else 1)
+    docs = select_samples(args.dir, key=args.key, index=args.index or 0, count=count)
     if args.html:
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(render_html(docs, title=f"{args.dir}: {len(docs)} documents"))

@@ -176,8 +176,19 @@ def compute_stats(directory: str, *, progress: bool = False) -> dict:
         "image_megapixels": _dist(img_mp),
         "video_seconds": _dist(vid_dur),
         "video_frames": _dist(vid_frames),
-        "rejects": man.get("rejects", {}),
+        **_rejects_and_notices(man.get("rejects") or {}),
     }
+
+
+def _rejects_and_notices(rejects: dict) -> dict:
+    """The manifest's reject counts split as the build's summary splits them: rejections, and
+    notices about inputs that were kept (encoding-detected, non-finite-number)."""
+    from .ingest import NOTICE_CODES
+
+    by_code = rejects.get("by_code") or {}
+    rej = {k: v for k, v in by_code.items() if k not in NOTICE_CODES}
+    notes = {k: v for k, v in by_code.items() if k in NOTICE_CODES}
+    return {"rejects": {"total": sum(rej.values()), "by_code": rej}, "notices": {"total": sum(notes.values()), "by_code": notes}}
 
 
 def format_stats(st: dict) -> str:
@@ -192,9 +203,10 @@ def format_stats(st: dict) -> str:
         d = st[name]
         if d["count"]:
             lines.append(f"{name:<18} n={d['count']:<7} min {d['min']:.4g}  p10 {d['p10']:.4g}  p50 {d['p50']:.4g}  p90 {d['p90']:.4g}  max {d['max']:.4g}  mean {d['mean']:.4g}")
-    rej = st.get("rejects") or {}
-    if rej.get("total"):
-        lines.append(f"rejected at build: {rej['total']} (" + ", ".join(f"{k} {v}" for k, v in rej["by_code"].items()) + ")")
+    for label, key in (("rejected at build", "rejects"), ("notices at build (inputs kept)", "notices")):
+        counts = st.get(key) or {}
+        if counts.get("total"):
+            lines.append(f"{label}: {counts['total']} (" + ", ".join(f"{k} {v}" for k, v in counts["by_code"].items()) + ")")
     return "\n".join(lines)
 
 

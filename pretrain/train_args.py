@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 
-from .config import RunConfig, load_config
+from .config import RunConfig, list_presets, load_config
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="preset name (tiny, small_100m, large_1b) or YAML path")
+    p.add_argument("--config", default=None, help=f"preset name ({', '.join(list_presets())}) or YAML path")
     p.add_argument("--resume", default=None,
                    help="'auto' (newest complete checkpoint in RUN_DIR/checkpoints, else start fresh) or a "
                    "step_N folder; same as checkpoint.resume=...")

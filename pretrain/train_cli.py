@@ -1,7 +1,7 @@
 """`omniloom train` (one process) and `omniloom bench train` (tokens/s and step-time breakdown).
 
-Several processes: `accelerate launch --config_file configs/accelerate/X.yaml -m
-omniloom.pretrain.train --config PRESET [key=value ...]` (same arguments as `omniloom train`).
+Several processes: `omniloom launch --config_file NAME -m omniloom.pretrain.train --config PRESET
+[key=value ...]` (same arguments as `omniloom train`; NAME a shipped accelerate config or a file).
 """
 
 from __future__ import annotations
@@ -12,15 +12,17 @@ log = logging.getLogger(__name__)
 
 
 def register(sub) -> None:
+    from .config import list_presets
+
     p = sub.add_parser(
         "train",
-        help="train a model in this process (multi-process: accelerate launch -m omniloom.pretrain.train)",
-        description="Train from shards with the run config PRESET (a shipped preset name: tiny, small_100m, "
-        "large_1b, or a YAML path) plus dotted overrides. Writes RUN_DIR/metrics.jsonl, RUN_DIR/tb "
+        help="train a model in this process (multi-process: omniloom launch -m omniloom.pretrain.train)",
+        description=f"Train from shards with the run config PRESET (a shipped preset name: {', '.join(list_presets())}; "
+        "or a YAML path) plus dotted overrides. Writes RUN_DIR/metrics.jsonl, RUN_DIR/tb "
         "(TensorBoard) and RUN_DIR/checkpoints/step_N. SIGTERM/SIGINT finish the step, save a checkpoint "
         "and exit 0; rerun with --resume auto to continue exactly (guarantees and what must match: docs/resume.md in the "
         "repository). For several processes or GPUs use "
-        "`omniloom launch --config_file configs/accelerate/cpu_2proc.yaml -m omniloom.pretrain.train "
+        "`omniloom launch --config_file cpu_2proc -m omniloom.pretrain.train "
         "--config tiny ...` with the same arguments (`omniloom launch` is `accelerate launch` with clean exit codes).",
         epilog="Options go before PRESET and the overrides. Example: omniloom train --run-dir runs/t1 tiny "
         "data.sources='[{path: shards/train}]' data.tokenizer=tok train.num_steps=200",

@@ -101,3 +101,16 @@ def test_the_console_keeps_to_omniloom_lines_unless_verbose(verbosity, ours, the
     assert ("saved checkpoint step_1" in err) == ours
     assert ("Model weights saved" in err) == theirs and ("fontManager" in err) == theirs
     assert "a warning always shows" in err
+
+
+def test_train_help_lists_every_shipped_preset(capsys):
+    """Issue 28.10: `train --help` named three of the five presets; the list now comes from the
+    shipped folder, in the description and in --config's help."""
+    from omniloom.pretrain.config import list_presets
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert len(list_presets()) >= 5
+    assert f"a shipped preset name: {', '.join(list_presets())};" in text
+    assert f"preset name ({', '.join(list_presets())}) or YAML path" in text

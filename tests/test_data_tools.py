@@ -260,3 +260,30 @@ def test_fifo_and_unreadable_files_are_rejected_not_opened(tmp_path):
     assert s["rejects"].get("not-a-file") == 1
     if os.geteuid() != 0:  # root reads anything
         assert s["rejects"].get("unreadable") == 1
+
+
+def test_stats_keeps_notices_apart_from_rejects_and_inspect_index_is_one_document(tmp_path, capsys):
+    """Issue 28.10: `data stats` counted the notices about kept inputs (a NaN nulled) among the
+    rejects, against the build's own summary; `data inspect --index 0 --html` wrote 20 documents
+    where the README says one (the page of 20 stays for --html alone)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = [json.dumps({"schema": 1, "segments": [{"type": "text", "text": f"document {i}"}]}) for i in range(22)]
+    lines.append('{"schema": 1, "segments": [{"type": "text", "text": "kept"}], "meta": {"score": NaN}}')
+    (src / "docs.jsonl").write_text("\n".join(lines) + "\n{not json\n")
+    out = tmp_path / "out"
+    assert main(["-q", "data", "build", str(src), "--out", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "rejected: 1 (bad-json 1)" in summary and "notices: non-finite-number 1" in summary
+    assert main(["data", "stats", str(out), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert st["rejects"] == {"total": 1, "by_code": {"bad-json": 1}}
+    assert st["notices"] == {"total": 1, "by_code": {"non-finite-number": 1}}
+    assert main(["data", "stats", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "rejected at build: 1 (bad-json 1)" in text and "notices at build (inputs kept): 1 (non-finite-number 1)" in text
+    for args, docs in ((["--index", "0"], 1), (["--index", "3", "--count", "2"], 2), ([], 20)):
+        page = tmp_path / "page.html"
+        assert main(["data", "inspect", str(out), *args, "--html", str(page)]) == 0
+        assert page.read_text().count("<section>") == docs, args
+    capsys.readouterr()
