@@ -6,7 +6,8 @@ A package takes part by having a `cli.py` with `register(subparsers)` (adds its 
 CLI modules import heavy dependencies (torch, av) inside their handlers so `--help` stays fast.
 
 User errors (ValueError and its subclasses, missing files) print one line and exit 2; `-v` shows
-the traceback. Anything else is a bug and keeps its traceback.
+the traceback. A reader that closes the pipe early (`| head`) ends any command quietly (exit 141).
+Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import importlib
 import io
 import logging
+import os
 import sys
 
 # Order is the order in `omniloom --help`.
@@ -156,6 +158,24 @@ def _bench_all(args, bench_sub) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Output cut short by its reader (`omniloom tokenizer encode ... | head`) ends
+    the command quietly, as a command killed by SIGPIPE would (exit 141), whichever command printed:
+    stdout is flushed here, inside the handler, not at interpreter exit."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        try:  # later writes (and Python's own flush at exit) go nowhere instead of failing again
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+            pass
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     verbosity = args.verbose - args.quiet

@@ -114,3 +114,20 @@ def test_train_help_lists_every_shipped_preset(capsys):
     assert len(list_presets()) >= 5
     assert f"a shipped preset name: {', '.join(list_presets())};" in text
     assert f"preset name ({', '.join(list_presets())}) or YAML path" in text
+
+
+def test_a_reader_that_closes_the_pipe_ends_any_command_quietly(tmp_path):
+    """Issue 28.10: `omniloom tokenizer encode ... | head` ended in a BrokenPipeError traceback. One
+    handler in the entry point covers every command that prints: exit 141, as a command killed by
+    SIGPIPE, and nothing on stderr (argparse's --help swallows the error itself and exits 0)."""
+    from omniloom.tokenizers.testing import make_tiny_tokenizer
+
+    make_tiny_tokenizer(tmp_path / "tok")
+    for args in (["tokenizer", "encode", "--tokenizer", str(tmp_path / "tok"), "a few words " * 50],
+                 ["config", "show", "tiny"], ["--help"]):
+        proc = subprocess.Popen([sys.executable, "-m", "omniloom.pretrain.cli", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        proc.stdout.close()  # the reader is gone before the command writes a byte
+        err = proc.stderr.read()
+        assert proc.wait(timeout=120) == (0 if args == ["--help"] else 141), (args, err)
+        assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, (args, err)
