@@ -434,6 +434,14 @@ def _final_losses(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def _pattern_kinds(attention) -> str:
+    """What the layer kinds of the pattern are, for those it holds only (a pattern without B layers
+    says nothing of blocks)."""
+    words = {"L": f"L: sliding window of {attention.window} tokens", "G": "G: global",
+             "B": f"B: the top {attention.num_selected_blocks} of {attention.block_size}-token blocks"}
+    return ", ".join(words[k] for k in "LGB" if k in attention.pattern.upper())
+
+
 def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int, num_active: int, dtype: str) -> str:
     """A short README: what the model is, what it saw, how it ended, how to load it."""
     m = cfg.model
@@ -450,8 +458,7 @@ def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int,
         "## Model",
         f"- {num_params / 1e6:.2f} M parameters, {num_active / 1e6:.2f} M active per token; {m.num_layers} layers, "
         f"width {m.dim}, {m.num_heads} heads ({m.num_kv_heads} kv), vocabulary {m.vocab_size}",
-        f"- attention pattern `{m.attention.pattern}` (L window {m.attention.window}, G global, B top-"
-        f"{m.attention.num_selected_blocks} of {m.attention.block_size}-token blocks)",
+        f"- attention pattern `{m.attention.pattern}` ({_pattern_kinds(m.attention)})",
         f"- MoE: {m.moe.num_experts} experts, top-{m.moe.num_experts_per_token}, {m.moe.num_shared_experts} shared, "
         f"first {m.moe.num_dense_layers} layer(s) dense",
         f"- weights: {dtype}, WEIGHT_FILES",

@@ -424,3 +424,18 @@ def test_export_into_a_non_empty_folder_needs_force(tmp_path, tok_dir, capsys):
     assert (out / "config.json").is_file() and (out / "notes.txt").read_text() == "mine"
     assert main(["-qq", "export", str(run), "--out", str(out)]) == 2  # a finished export too
     capsys.readouterr()
+
+
+def test_the_model_card_describes_only_the_layer_kinds_of_its_pattern(tmp_path):
+    """Issue 28.10: the card described B layers (top-k blocks) for `LLLG`, which has none."""
+    from omniloom.pretrain.config import load_config
+    from omniloom.pretrain.export import model_card
+
+    def card(pattern: str) -> str:
+        cfg = load_config("tiny", [f"model.attention.pattern={pattern}"])
+        return model_card(cfg, tmp_path / "run" / "checkpoints" / "step_00000001", step=1, tokens_seen=10,
+                          num_params=10, num_active=10, dtype="fp32")
+
+    line = next(x for x in card("LLLG").splitlines() if x.startswith("- attention pattern"))
+    assert line == "- attention pattern `LLLG` (L: sliding window of 128 tokens, G: global)"
+    assert "B: the top 4 of 32-token blocks" in card("LLBG") and "sliding window" not in card("GGBG")
