@@ -122,8 +122,8 @@ def _out_norm_plot(path: Path, rows: list[dict]) -> bool:
     return True
 
 
-def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
-    fig = _expert_figure(rows)
+def _save_figure(path: Path, fig) -> bool:
+    """Write a Figure (None: nothing to draw) as PNG and close it; True when written."""
     if fig is None:
         return False
     import matplotlib.pyplot as plt
@@ -131,6 +131,10 @@ def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+def _expert_heatmap(path: Path, rows: list[dict]) -> bool:
+    return _save_figure(path, _expert_figure(rows))
 
 
 def _expert_figure(rows: list[dict]):
@@ -221,14 +225,7 @@ def _gap_figure(ev: dict):
 
 
 def _gap_plot(path: Path, ev: dict) -> bool:
-    fig = _gap_figure(ev)
-    if fig is None:
-        return False
-    import matplotlib.pyplot as plt
-
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+    return _save_figure(path, _gap_figure(ev))
 
 
 def _sig(v, digits: int = 4) -> str:

@@ -123,10 +123,15 @@ def test_killed_2x2_run_resumed_on_another_layout_trains_each_document_once(text
     assert 2 <= saved <= killed_at < 48, (saved, killed_at)
     before = _trace(run)
     assert sorted(before) == ["rank00000.jsonl", "rank00001.jsonl"]
+    # the killed run's global batch is 2 processes x 2 rows: 1 process keeps it with 2 accumulation
+    # steps; 4 processes x 2 rows cannot, and must be asked to change it (issue 28 item 3)
+    change = ["checkpoint.resume_global_batch=change"] if new_procs > 2 else []
     done = subprocess.run(_launch(new_procs, _args(run, root, 1, "checkpoint.resume=auto",
-                                                   f"model.moe.expert_parallel={ep_after}"), fsdp2),
+                                                   f"model.moe.expert_parallel={ep_after}", *change), fsdp2),
                           env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-4000:]
+    assert ("gradient accumulation 1 -> 2 keeps the global batch at 4 rows" if new_procs == 1 else
+            "the global batch changes from 4 rows") in done.stderr, done.stderr[-3000:]
     if ep_after > 1:
         assert f"expert parallel {ep_after} x {new_procs // ep_after} replicas" in done.stderr, done.stderr[-3000:]
     if fsdp2:
