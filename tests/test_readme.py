@@ -95,3 +95,16 @@ def test_readme_links_the_docs_that_exist():
     fmt = (ROOT / "docs" / "data-format.md").read_text(encoding="utf-8")
     for needle in ("doc.json", "OBELICS", "manifest.json", "PackedBatch", "<|patch|>", "omniloom_tokenizer.json"):
         assert needle in fmt
+
+
+def test_quick_start_says_where_the_demo_writes_and_how_long_make_test_takes():
+    """Issue 28.10: the Quick start said neither where `make demo` leaves its output nor how long
+    `make test` runs."""
+    from omniloom.pretrain.cli import build_parser
+
+    demo = build_parser()._subparsers._group_actions[0].choices["demo"]
+    out = next(a.default for a in demo._actions if "--out" in a.option_strings)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert f"`./{out}/`" in quick and "run/report/index.html" in quick
+    assert re.search(r"`make test` takes about \d+ minutes", quick), quick
