@@ -26,8 +26,7 @@ def _restore_process_settings():
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    own = logging.getLogger("omniloom")
-    own_level = own.level  # setup_logging sets omniloom's level apart from the root's
+    own = logging.getLogger("omniloom")  # setup_logging sets omniloom's level apart from the root's
     torch = sys.modules.get("torch")
     threads = torch.get_num_threads() if torch is not None else None
     yield
@@ -40,7 +39,9 @@ def _restore_process_settings():
         if h not in root.handlers:
             root.addHandler(h)
     root.setLevel(level)
-    own.setLevel(own_level)
+    # back to the session's start, not to the level before this test: a module-scoped fixture that
+    # runs the CLI (`-qq`) is set up before this fixture records anything, and would leak ERROR
+    own.setLevel(logging.NOTSET)
 
 
 def pytest_addoption(parser):
