@@ -43,7 +43,7 @@ import torch
 from .attention import AttnContext
 from .embeddings import mrope_angles
 from .indexer import indexer_block_scores
-from .masks import build_mask_info
+from .masks import build_mask_info, top_blocks
 
 
 @dataclass
@@ -382,7 +382,7 @@ class CachedDecoder:
             scores = indexer_block_scores(rep_q.unsqueeze(3), cache.ik_BKTd[:, :, bs : qb * bs], bs)[:, :, 0]
         else:
             scores = torch.einsum("bkd,bknd->bkn", rep_q, cache.kmean_BKnD[:, :, 1:qb])
-        top = scores.topk(n_pick, dim=-1).indices + 1
+        top = top_blocks(scores, n_pick) + 1  # ties to the later block, as in the full forward
         return torch.cat([base, top], dim=-1)
 
 
