@@ -13,6 +13,7 @@ import shutil
 import tarfile
 import tracemalloc
 import warnings
+from collections import Counter
 
 import pytest
 
@@ -278,3 +279,28 @@ def test_a_source_that_is_not_a_tar_shard_is_one_line_naming_it(good, tmp_path, 
         PartialState._reset_state()
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and str(src) in err and expect in err, err
+
+
+def test_tokenizer_training_reads_the_same_hostile_doc_json_without_dying(tmp_path):
+    """`omniloom tokenizer train` reads only doc.json members, with its own reader
+    (tokenizers/corpus.py, which may not import data/): a deep or sparse doc.json is a counted
+    bad_doc_json there too, not a RecursionError or half a GiB of zeros."""
+    from pathlib import Path
+
+    from omniloom.tokenizers.corpus import iter_shard_docs
+
+    folder = _hostile_shard(tmp_path / "h", [
+        [("doc.json", _doc(), None)],
+        [("doc.json", b"[" * 100_000 + b"]" * 100_000, None)],
+        [("doc.json", b"{}" + b" " * 14, _sparse_pax("h0002.doc.json", _HOLE))],
+        [("doc.json", _doc(), None)],
+    ])
+    stats = Counter()
+    tracemalloc.start()
+    try:
+        keys = [k for k, _ in iter_shard_docs([Path(folder) / "h-000000.tar"], stats)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert keys == ["h0000", "h0003"] and stats["bad_doc_json"] == 2, (keys, stats)
+    assert peak < 16 << 20, f"reading a 30 KB shard peaked at {peak / 2**20:.0f} MiB"
