@@ -43,7 +43,7 @@ def _write_manifest(folder, man: dict) -> None:
         json.dump(man, f)
 
 
-def _member(tf: tarfile.TarFile, name: str, data: bytes, *, size: int | None = None, pax: dict | None = None) -> None:
+def _member(tf: tarfile.TarFile, name: str, data: bytes, *, pax: dict | None = None) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = len(data), 1_700_000_000, 0o644
     if pax:
