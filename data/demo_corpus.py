@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import shutil
 import sysconfig
 from dataclasses import dataclass
@@ -112,6 +113,31 @@ def _shape_image(rng: np.random.Generator, size: int):
     _draw_shape(draw, shape, cx, cy, r, COLORS[color])
     where = "in the center" if (ROWS[row], COLS[col]) == ("middle", "center") else f"at the {ROWS[row]} {COLS[col]}"
     return img, f"a {size_name} {color} {shape} {where}."
+
+
+def parse_caption(text: str) -> dict | None:
+    """The attributes of a caption in the demo's grammar (the inverse of `_shape_image` and
+    `_motion_video`), or None for any other text. Images: kind, size, colour, shape, row, column
+    ("in the center" is the middle row and centre column); videos: kind, colour, shape, direction."""
+    m = _IMAGE_CAPTION.fullmatch(text.strip())
+    if m:
+        size, colour, shape, where = m.group("size", "colour", "shape", "where")
+        row, col = ("middle", "center") if where == "in the center" else where.removeprefix("at the ").split(" ")
+        if (row, col) == ("middle", "center") and where != "in the center":
+            return None  # the generator never writes "at the middle center"
+        return {"kind": "image", "colour": colour, "size": size, "shape": shape, "row": row, "column": col}
+    m = _VIDEO_CAPTION.fullmatch(text.strip())
+    if m:
+        return {"kind": "video", "colour": m["colour"], "shape": m["shape"], "direction": m["direction"]}
+    return None
+
+
+_ALT = "|".join
+_IMAGE_CAPTION = re.compile(
+    rf"a (?P<size>{_ALT(SIZES)}) (?P<colour>{_ALT(COLORS)}) (?P<shape>{_ALT(SHAPES)}) "
+    rf"(?P<where>in the center|at the (?:{_ALT(ROWS)}) (?:{_ALT(COLS)}))\."
+)
+_VIDEO_CAPTION = re.compile(rf"a (?P<colour>{_ALT(COLORS)}) (?P<shape>{_ALT(SHAPES)}) moves (?P<direction>{_ALT(DIRECTIONS)})\.")
 
 
 def _encode_mp4(frames: list, fps: int) -> bytes:
