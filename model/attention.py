@@ -256,8 +256,9 @@ class AttnContext:
     B layers: `dense_b` makes them attend as G (the dense warm-up). Their selector statistics
     (model/indexer.py: the indexer's KL loss when an index branch is passed, the coverage of the
     dense attention) are computed on `sample_blocks` query blocks, over their real tokens
-    (`real_BS`: not the row's padding), when the indexer trains (grad enabled) or when `measure` is set, and returned by `attend_stats` to the calling layer, which
-    returns them through its block's outputs: a layer writes nothing into this shared context
+    (`real_BS`: not the row's padding), when the indexer trains (grad enabled) or when `measure`
+    is set, and returned by `attend_stats` to the calling layer, which returns them through its
+    block's outputs: a layer writes nothing into this shared context
     (inside a checkpointed, compiled block such a store is a side effect dynamo refuses)."""
 
     def __init__(self, info: MaskInfo, backend: str, num_selected_blocks: int, device: torch.device, layout: BatchLayout | None = None,
