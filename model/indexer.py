@@ -17,13 +17,14 @@ from its KL loss, never pushes on the language model.
 
 KL loss (stop-gradient target): for `ns` sampled query blocks, the dense attention this layer
 would compute as a `G` layer (documents, causality, visual blocks) is summed per key block,
-averaged over the block's first-run queries and the group's heads, restricted to the candidate
-blocks (those the selector chooses among) and normalized: t(n). The indexer's distribution is
+averaged over the block's real first-run queries (the ones its choice serves) and the group's
+heads, restricted to the candidate blocks (those the selector chooses among) and normalized: t(n). The indexer's distribution is
 the softmax of its block scores over the same candidates: s(n). Loss: KL(t || s), averaged over
 the sampled (row, block, group) triples that have a candidate.
 
 Coverage: the share of that dense attention mass (all blocks, not only candidates) that the
 blocks a query actually attends hold, averaged over the sampled blocks' real tokens and all heads.
+Real: neither the block padding past S nor the row's padding pseudo-document (`real_BS`).
 """
 
 from __future__ import annotations
@@ -77,11 +78,25 @@ class BlockIndexer(nn.Module):
 INDEX_ROPE_BASE = 10000.0
 
 
-def index_rope_angles(t_BS: torch.Tensor, rope_dim: int, base: float = INDEX_ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [B, S, rope_dim / 2] fp32 of the temporal positions `t_BS` (positions[:, 0]):
-    plain 1-D RoPE frequencies over the index's rotated dims."""
-    inv = base ** (-torch.arange(0, rope_dim, 2, device=t_BS.device, dtype=torch.float32) / rope_dim)
-    ang = t_BS.float().unsqueeze(-1) * inv
+def index_rope_angles(positions: torch.Tensor, rope_dim: int, base: float = INDEX_ROPE_BASE,
+                      layout: str = "sections") -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, S, rope_dim / 2] fp32 of the positions, plain 1-D RoPE frequencies over the
+    index's rotated dims. `positions`: [B, 3, S] (t, h, w), or [B, S] temporal positions.
+
+    Layout `sections` (models trained before `interleaved` existed) rotates by the temporal
+    position t alone, as those models were trained. `interleaved` rotates as the attention does (`omniloom.model.embeddings.rope_axes`, the index's frequencies split evenly
+    between t, h and w), so the index sees an image's rows and columns too. Text (t = h = w) gets
+    the same angles under every layout."""
+    from .embeddings import rope_axes
+
+    n = rope_dim // 2
+    inv = base ** (-torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim)
+    if positions.dim() == 2 or layout == "sections":
+        t_BS = positions if positions.dim() == 2 else positions[:, 0]
+        ang = t_BS.float().unsqueeze(-1) * inv
+    else:
+        axes = rope_axes(n, (n - 2 * (n // 3), n // 3, n // 3), layout)
+        ang = torch.stack([positions[:, a].float() * inv[i] for i, a in enumerate(axes)], dim=-1)
     return ang.cos(), ang.sin()
 
 
@@ -185,6 +200,7 @@ def selector_stats(
     num_samples: int,
     index: tuple[torch.Tensor, torch.Tensor] | None = None,
     cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    real_BS: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """`coverage` (detached scalar) of a B layer's selection `sel` and, with `index` = the
     indexer's (block-start queries [B, K, Hi, Q, d], keys [B, K, S, d]) carrying gradient, its
@@ -192,7 +208,11 @@ def selector_stats(
 
     The KL's detached target is returned too, as `target` = (coverage, target, weight); passing
     it back as `cached` (activation checkpointing's recomputation of the same layer and batch)
-    skips the dense attention it comes from, the costly part, and rebuilds only the KL's graph."""
+    skips the dense attention it comes from, the costly part, and rebuilds only the KL's graph.
+
+    `real_BS` [B, S] bool marks the tokens that are not padding: the row's trailing padding
+    pseudo-document (a document to the mask rule) is left out of the coverage and the target
+    like the block padding past S; the last block, always sampled, is often all padding."""
     bs, nb = info.block_size, info.num_blocks
     B, H, S, _ = q_BHSD.shape
     K = k_BKSD.shape[1]
@@ -207,6 +227,8 @@ def selector_stats(
     tok = (blk[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)  # [ns * bs]
     mass = dense_block_mass(info, q_BHSD, k_BKSD, blk)  # [B, H, ns*bs, nb]
     real = (info.doc_BS[:, tok] != PAD_DOC) & (tok < S)  # [B, ns*bs]
+    if real_BS is not None:
+        real = real & F.pad(real_BS, (0, info.padded_len - S), value=False).index_select(1, tok)
     with torch.no_grad():
         chosen = sel.at(tok).repeat_interleave(G, dim=1)  # [B, H, ns*bs, nb]
         held = (mass * chosen).sum(-1)  # [B, H, ns*bs]
