@@ -81,16 +81,21 @@ def _line_plot(path: Path, title: str, curves: list[tuple[str, list[int], list[f
     return True
 
 
-JUMP = 1.5  # an output RMS this many times its trend so far is a sudden jump, the sign of divergence
+# An output RMS this many times its trend so far is a sudden jump, the sign of divergence. The
+# demo's healthy run has windows up to 1.7x its trend (the RMS of a window of mixed modalities is
+# noisy), and grows 0.5 -> 3 in its first tenth, while the trend is still forming: not counted.
+JUMP = 2.0
 
 
 def norm_jumps(xs: list[int], ys: list[float]) -> list[int]:
     """Indices of the values at least JUMP times the trend of the values before them (their
-    moving average): a sudden jump, unlike the steady growth a healthy run shows."""
+    moving average), after the first tenth of the run: a sudden jump, unlike the steady growth a
+    healthy run shows."""
     if len(ys) < 3:
         return []
     trend = smooth(ys, smoothing_span(len(ys)))
-    return [i for i in range(2, len(ys)) if trend[i - 1] > 0 and ys[i] >= JUMP * trend[i - 1]]
+    start = max(2, len(ys) // 10)
+    return [i for i in range(start, len(ys)) if trend[i - 1] > 0 and ys[i] >= JUMP * trend[i - 1]]
 
 
 def _out_norm_plot(path: Path, rows: list[dict]) -> bool:
@@ -115,7 +120,7 @@ def _out_norm_plot(path: Path, rows: list[dict]) -> bool:
     ax.set_xlabel("step")
     ax.set_ylabel("RMS")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower right")  # a growing curve leaves that corner empty
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -399,8 +404,9 @@ def write_report(run_dir: str | Path, *, eval_json: str | Path | None = None, ou
     add("out_norm.png", "Final-layer output norm", _out_norm_plot(out / "out_norm.png", rows),
         "The final layer's output RMS per logged window. Steady growth over training is normal: a model learning to "
         "be confident grows it (the demo's run goes from about 0.5 to 5 and trains well). A divergence shows as a "
-        f"sudden jump against the trend, a value {JUMP:g} times the moving average before it or more (red points), "
-        "usually with loss and gradient-norm spikes in the same steps.")
+        f"sudden jump against the trend, a value {JUMP:g} times the moving average before it or more (red points; "
+        "the first tenth of the run, while the trend forms, is not judged), usually with loss and gradient-norm "
+        "spikes in the same steps.")
     add("gap.png", "Cross-modal gap", _gap_plot(out / "gap.png", ev),
         "Caption loss with another document's visual minus with its own: positive means the model reads the pixels. "
         "Error bars: the 95% interval over documents; a bar whose interval crosses 0 is not distinguishable from 0.")

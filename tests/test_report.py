@@ -148,6 +148,8 @@ def test_loss_is_smoothed_over_the_raw_curve_and_norm_jumps_are_told_from_growth
     assert norm_jumps(steps, growth) == []
     spiked = growth[:30] + [growth[30] * 3] + growth[31:]
     assert norm_jumps(steps, spiked) == [30]
+    early = [0.5, 1.6, 3.1] + [3.0 + (0.8 if i % 3 else -0.8) for i in range(47)]  # the demo's: fast start, noisy plateau
+    assert norm_jumps(steps, early) == []
 
 
 def test_expert_heatmaps_are_readable():
