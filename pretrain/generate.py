@@ -96,9 +96,9 @@ def sample_next(logits_BV: torch.Tensor, *, temperature: float, top_p: float, ge
 
 
 def _modality_of(token_id: int) -> int:
-    from omniloom.tokenizers.layout import FIRST_BYTE_ID, SPECIAL, TEXT
+    from omniloom.tokenizers.layout import token_modality
 
-    return SPECIAL if token_id < FIRST_BYTE_ID else TEXT
+    return token_modality(token_id)
 
 
 def _full_logits(model, prompt: Prompt, new_ids: list[int]) -> torch.Tensor:
@@ -178,8 +178,12 @@ def _generate(model, prompt: Prompt, *, max_new_tokens, temperature, top_p, gen,
         from tqdm import tqdm
 
         bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", leave=False)
+    patch_id = model.cfg.patch_token_id
     for _ in range(max_new_tokens):
-        token = int(sample_next(logits.float().cpu(), temperature=temperature, top_p=top_p, generator=gen)[0])
+        logits = logits.float().cpu()
+        if patch_id >= 0:  # <|patch|> stands for pixels, which generation cannot give it: never chosen
+            logits[..., patch_id] = float("-inf")
+        token = int(sample_next(logits, temperature=temperature, top_p=top_p, generator=gen)[0])
         new.append(token)
         if bar is not None:
             bar.update()
