@@ -152,6 +152,7 @@ def setup(tmp_path_factory):
         ("processor:frames", {"text": "Frames", "videos": "@frames"}),
         ("pipeline", {"prompt": TEXT_PROMPT, "max_new_tokens": 8}),
         ("bf16", "packed"), ("lora", {"targets": ["wo", "w_down"], "batch": "packed"}),
+        ("save", str(root / "saved_by_hf")),
     ]
     runs = {}
     for name, spec in EXPORTS.items():
@@ -314,3 +315,17 @@ def test_lora_adapter_trains_three_steps(pooled):
     assert lora["trainable"] > 0 and lora["changed"] == lora["trainable"] and lora["frozen"] > 0
     assert all(np.isfinite(lora["losses"])) and lora["losses"][-1] < lora["losses"][0]
 
+
+
+def test_a_folder_saved_by_hugging_face_loads_in_omniloom(pooled, setup):
+    """save_pretrained keeps config.json's omniloom keys and omniloom's weight names: a model
+    fine-tuned in Hugging Face comes back to load_pretrained (and to train.init_from)."""
+    export, res = pooled
+    saved = Path(res["save"]["saved"])
+    info = json.loads((saved / "config.json").read_text())
+    assert info["format"] == "omniloom-export" and info["model"] == json.loads((export / "config.json").read_text())["model"]
+    batch = setup["batch"]
+    with torch.no_grad():
+        want = omniloom_model(export)(**batch.as_dict(), return_logits=True).logits
+        got = omniloom_model(saved)(**batch.as_dict(), return_logits=True).logits
+    assert torch.equal(got, want)
