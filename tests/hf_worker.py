@@ -129,6 +129,22 @@ def task_lora(ctx, arg):
     return {"losses": losses, "trainable": len(params), "changed": changed, "frozen": frozen}
 
 
+def task_lm_eval(ctx, arg):
+    """lm-evaluation-harness's `hf` model type on the export, over a task of local JSONL;
+    the log-likelihood of each document's continuation, in document order."""
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError as err:
+        return {"skipped": f"lm-eval is not installed ({err})"}
+    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={ctx['export']},trust_remote_code=True,dtype=float32",
+                                  tasks=[arg["task"]], task_manager=TaskManager(include_path=arg["tasks_dir"]),
+                                  log_samples=True, batch_size=arg.get("batch_size", 2), device="cpu")
+    samples = sorted(out["samples"][arg["task"]], key=lambda s: s["doc_id"])
+    return {"loglikelihood": [float(s["resps"][0][0][0]) for s in samples], "version": lm_eval.__version__,
+            "arguments": [s["arguments"] for s in samples]}
+
+
 def task_save(ctx, arg):
     ctx["model"].save_pretrained(arg)
     return {"saved": arg}

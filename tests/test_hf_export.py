@@ -329,3 +329,56 @@ def test_a_folder_saved_by_hugging_face_loads_in_omniloom(pooled, setup):
         want = omniloom_model(export)(**batch.as_dict(), return_logits=True).logits
         got = omniloom_model(saved)(**batch.as_dict(), return_logits=True).logits
     assert torch.equal(got, want)
+
+
+LM_EVAL_TASK = """task: omniloom_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{continuation}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+@pytest.mark.slow  # importing lm-eval alone takes most of a minute here
+def test_lm_evaluation_harness_hf_model_type_gives_omniloom_loglikelihoods(pooled, setup):
+    """`lm_eval --model hf --model_args pretrained=EXPORT,trust_remote_code=True` on a task over a
+    local JSONL file (no network): its log-likelihoods are omniloom's for the same token ids.
+    Batched by two, so rows of different lengths are padded."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("lm-eval is not installed (optional: pip install lm-eval)")
+    export, _ = pooled
+    tok = setup["tok"]
+    docs = [{"context": "The river bends twice", "continuation": " before it reaches the old mill"},
+            {"context": "def f(x):\n", "continuation": "    return x * 2"},
+            {"context": "Trains leave the station every", "continuation": " 15 minutes"}]
+    tasks_dir = setup["root"] / "lm_eval_tasks"
+    tasks_dir.mkdir(exist_ok=True)
+    (tasks_dir / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks_dir / "omniloom_local.yaml").write_text(LM_EVAL_TASK.format(data=tasks_dir / "data.jsonl"))
+    res = run_worker({"lm": {"export": export, "tasks": [("lm_eval", {"task": "omniloom_local", "tasks_dir": str(tasks_dir)})]}},
+                     setup["root"] / "work_lm_eval")["lm"]["lm_eval"]
+    model = omniloom_model(export)
+    want = []
+    for d in docs:  # lm-eval's split: the context's trailing whitespace moves to the continuation; the
+        # context's own ids, then the whole text's ids past as many (their seam may differ from the whole's)
+        context = d["context"].rstrip()
+        whole, ctx = tok.encode(d["context"] + d["continuation"]), tok.encode(context)
+        whole = ctx + whole[len(ctx):]
+        ids = torch.tensor([whole])
+        S = ids.shape[1]
+        with torch.no_grad():
+            logits = model(input_ids=ids, labels=torch.full_like(ids, -100), positions=torch.arange(S).expand(1, 3, S),
+                           doc_ids=torch.zeros_like(ids), block_ids=torch.full_like(ids, -1),
+                           modality=torch.zeros_like(ids, dtype=torch.uint8), patches=torch.zeros(0, 384),
+                           patch_kind=torch.zeros(0, dtype=torch.uint8), return_logits=True).logits
+        logp = logits[0, :-1].log_softmax(-1)
+        want.append(float(sum(logp[i - 1, whole[i]] for i in range(len(ctx), S))))
+    assert res["loglikelihood"] == pytest.approx(want, abs=1e-4)
