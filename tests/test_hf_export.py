@@ -8,10 +8,8 @@ file, against references computed here with omniloom itself."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +20,10 @@ from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
 from omniloom.tokenizers.testing import make_image_bytes, make_tiny_tokenizer, make_video_bytes
 from omniloom.tokenizers.text import Tokenizer
 
-WORKER = Path(__file__).with_name("hf_worker.py")
+_spec = importlib.util.spec_from_file_location("hf_check", Path(__file__).with_name("hf_check.py"))
+hf_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf_check)
+run_worker = hf_check.run_worker
 NEW_TOKENS = 32
 # one export per B-layer selector; together they hold L, G, B-pooled and B-indexer layers, MoE
 # with a shared expert and modality groups (the allowed-expert table a meta-device load must refill)
@@ -33,28 +34,6 @@ EXPORTS = {
 LAYER_TASKS = ("omniloom_absent", "load", "logits", "loss_grads", "generate")
 TEXT_PROMPT = "The river bends twice"
 IMAGE_PROMPT = "A picture of"
-
-
-def hf_env(cache: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "HF_", "TRANSFORMERS_"))}
-    env.update(HF_MODULES_CACHE=str(cache / "modules"), HF_HOME=str(cache / "home"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-def run_worker(runs: dict, workdir: Path, inputs: dict | None = None) -> dict:
-    """Run hf_worker.py in a fresh `python -I` outside the checkout; its results by run name.
-    runs: {name: {"export": DIR, "tasks": [(task, arg), ...]}}."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    request = {"runs": {k: {"export": str(v["export"]), "tasks": v["tasks"]} for k, v in runs.items()}, "inputs": None}
-    if inputs is not None:
-        request["inputs"] = str(workdir / "inputs.pt")
-        torch.save(inputs, request["inputs"])
-    (workdir / "request.json").write_text(json.dumps(request))
-    res = subprocess.run([sys.executable, "-I", str(WORKER), str(workdir / "request.json"), str(workdir / "out.pt")],
-                         cwd=workdir, env=hf_env(workdir), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return torch.load(workdir / "out.pt", weights_only=True)
 
 
 def make_export(tok_dir: Path, out: Path, *, pattern: str, selector: str, modality_groups: bool, seed: int = 0) -> Path:
@@ -350,8 +329,6 @@ def test_lm_evaluation_harness_hf_model_type_gives_omniloom_loglikelihoods(poole
     """`lm_eval --model hf --model_args pretrained=EXPORT,trust_remote_code=True` on a task over a
     local JSONL file (no network): its log-likelihoods are omniloom's for the same token ids.
     Batched by two, so rows of different lengths are padded."""
-    import importlib.util
-
     if importlib.util.find_spec("lm_eval") is None:
         pytest.skip("lm-eval is not installed (optional: pip install lm-eval)")
     export, _ = pooled
