@@ -485,6 +485,13 @@ def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int,
         "```",
         "`omniloom generate THIS_FOLDER --prompt TEXT [--image PATH]`, `omniloom eval THIS_FOLDER --data SHARDS`.",
         "",
+        "Without omniloom, with Hugging Face transformers (the model's code is in this folder):",
+        "```",
+        "from transformers import AutoModelForCausalLM, AutoProcessor",
+        "model = AutoModelForCausalLM.from_pretrained('THIS_FOLDER', trust_remote_code=True)",
+        "processor = AutoProcessor.from_pretrained('THIS_FOLDER', trust_remote_code=True)",
+        "```",
+        "",
     ]
     return "\n".join(lines)
 
