@@ -118,6 +118,7 @@ def setup(tmp_path_factory):
         ("omniloom_absent", None), ("load", None), ("logits", "packed"), ("loss_grads", "packed"),
         ("generate:text", {"processor": {"text": TEXT_PROMPT}, "generate": gen}),
         ("generate:image", {"processor": {"text": IMAGE_PROMPT, "images": image}, "generate": gen}),
+        ("generate:video", {"processor": {"text": IMAGE_PROMPT, "videos": str(root / "media" / "vid.mp4")}, "generate": gen}),
         ("generate:batch", {"processor": {"text": [IMAGE_PROMPT, TEXT_PROMPT + " and on"], "images": [[image], []]},
                             "generate": gen}),
         ("generate:nocache", {"processor": {"text": TEXT_PROMPT}, "generate": {**gen, "max_new_tokens": 6, "use_cache": False}}),
@@ -195,10 +196,11 @@ def test_labels_give_omniloom_loss_and_gradients(case, setup):
         torch.testing.assert_close(got["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _omniloom_generate(export, tok, text, image=None, max_new_tokens=NEW_TOKENS):
+def _omniloom_generate(export, tok, text, image=None, video=None, max_new_tokens=NEW_TOKENS):
     from omniloom.pretrain.generate import build_prompt, generate
 
-    prompt = build_prompt(tok, text, image=Path(image).read_bytes() if image else None)
+    prompt = build_prompt(tok, text, image=Path(image).read_bytes() if image else None,
+                          video=Path(video).read_bytes() if video else None)
     return generate(omniloom_model(export), prompt, max_new_tokens=max_new_tokens).ids
 
 
@@ -207,11 +209,12 @@ def _new_tokens(res, row=0):
     return seq
 
 
-@pytest.mark.parametrize("which", ["text", "image"])
+@pytest.mark.parametrize("which", ["text", "image", "video"])
 def test_greedy_generate_equals_omniloom_generate(case, setup, which):
     export, res = case
     want = _omniloom_generate(export, setup["tok"], TEXT_PROMPT if which == "text" else IMAGE_PROMPT,
-                              image=setup["image"] if which == "image" else None)
+                              image=setup["image"] if which == "image" else None,
+                              video=setup["root"] / "media" / "vid.mp4" if which == "video" else None)
     got = _new_tokens(res[f"generate:{which}"])
     assert got[:len(want)] == want
     assert len(want) == NEW_TOKENS or want[-1] == 2  # 32 tokens, unless eos came first
