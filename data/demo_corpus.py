@@ -21,9 +21,11 @@ attend to the pixels: the cross-modal gap of `omniloom eval` measures exactly th
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
+import re
 import shutil
 import sysconfig
 from dataclasses import dataclass
@@ -114,6 +116,31 @@ def _shape_image(rng: np.random.Generator, size: int):
     return img, f"a {size_name} {color} {shape} {where}."
 
 
+def parse_caption(text: str) -> dict | None:
+    """The attributes of a caption in the demo's grammar (the inverse of `_shape_image` and
+    `_motion_video`), or None for any other text. Images: kind, size, colour, shape, row, column
+    ("in the center" is the middle row and centre column); videos: kind, colour, shape, direction."""
+    m = _IMAGE_CAPTION.fullmatch(text.strip())
+    if m:
+        size, colour, shape, where = m.group("size", "colour", "shape", "where")
+        row, col = ("middle", "center") if where == "in the center" else where.removeprefix("at the ").split(" ")
+        if (row, col) == ("middle", "center") and where != "in the center":
+            return None  # the generator never writes "at the middle center"
+        return {"kind": "image", "colour": colour, "size": size, "shape": shape, "row": row, "column": col}
+    m = _VIDEO_CAPTION.fullmatch(text.strip())
+    if m:
+        return {"kind": "video", "colour": m["colour"], "shape": m["shape"], "direction": m["direction"]}
+    return None
+
+
+_ALT = "|".join
+_IMAGE_CAPTION = re.compile(
+    rf"a (?P<size>{_ALT(SIZES)}) (?P<colour>{_ALT(COLORS)}) (?P<shape>{_ALT(SHAPES)}) "
+    rf"(?P<where>in the center|at the (?:{_ALT(ROWS)}) (?:{_ALT(COLS)}))\."
+)
+_VIDEO_CAPTION = re.compile(rf"a (?P<colour>{_ALT(COLORS)}) (?P<shape>{_ALT(SHAPES)}) moves (?P<direction>{_ALT(DIRECTIONS)})\.")
+
+
 def _encode_mp4(frames: list, fps: int) -> bytes:
     import av
 
@@ -165,17 +192,44 @@ def _write_jsonl(path: Path, docs: list[dict]) -> None:
     path.write_text("".join(json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n" for d in docs), encoding="utf-8")
 
 
-def _captioned_set(root: Path, name: str, rng, count: int, settings: DemoCorpusSettings, video: bool) -> list[str]:
+def _unique(draw, seen: set[str]) -> tuple[bytes, str]:
+    """(media bytes, caption) from `draw()`, drawn again while the bytes repeat media in `seen`
+    (sha256); the result's digest joins `seen`."""
+    for _ in range(1000):
+        data, caption = draw()
+        digest = hashlib.sha256(data).hexdigest()
+        if digest not in seen:
+            seen.add(digest)
+            return data, caption
+    raise RuntimeError(f"could not draw media unlike the {len(seen)} already written; lower the count")
+
+
+def _draw_image(rng, settings: DemoCorpusSettings) -> tuple[bytes, str]:
+    img, caption = _shape_image(rng, settings.image_size)
+    return _png_bytes(img), caption
+
+
+def _draw_video(rng, settings: DemoCorpusSettings) -> tuple[bytes, str]:
+    return _motion_video(rng, settings.image_size, settings.video_frames, settings.video_fps)
+
+
+def _captioned_set(root: Path, name: str, rng, count: int, settings: DemoCorpusSettings, video: bool,
+                   seen: set[str] | None = None) -> list[str]:
+    """`count` captioned images or clips under root/name and root/name.jsonl; their captions.
+    `seen`: sha256 of media already written (the held-out set's, for the training set): a draw
+    that repeats one pixel for pixel is drawn again, so no held-out document is ever trained on
+    and no training document is a copy of another. What is written joins `seen`."""
     media_dir = root / name
     media_dir.mkdir(parents=True, exist_ok=True)
+    seen = set() if seen is None else seen
     docs, captions = [], []
     for i in range(count):
         if video:
-            data, caption = _motion_video(rng, settings.image_size, settings.video_frames, settings.video_fps)
+            data, caption = _unique(lambda: _draw_video(rng, settings), seen)
             ref, kind = f"{name}/{i:06d}.mp4", "video"
         else:
-            img, caption = _shape_image(rng, settings.image_size)
-            data, ref, kind = _png_bytes(img), f"{name}/{i:06d}.png", "image"
+            data, caption = _unique(lambda: _draw_image(rng, settings), seen)
+            ref, kind = f"{name}/{i:06d}.png", "image"
         (root / ref).write_bytes(data)
         docs.append({
             "schema": 1,
@@ -226,15 +280,15 @@ def _copy_photos(dest: Path) -> int:
     return n
 
 
-def _interleaved(root: Path, rng, settings: DemoCorpusSettings, stdlib_dir: Path) -> int:
+def _interleaved(root: Path, rng, settings: DemoCorpusSettings, stdlib_dir: Path, seen: set[str]) -> int:
     media = root / "interleaved"
     media.mkdir(parents=True, exist_ok=True)
     code_files = sorted(stdlib_dir.glob("*.py"))
     docs = []
     for i in range(settings.num_interleaved):
-        img, img_caption = _shape_image(rng, settings.image_size)
-        vid, vid_caption = _motion_video(rng, settings.image_size, settings.video_frames, settings.video_fps)
-        (media / f"{i:06d}.png").write_bytes(_png_bytes(img))
+        img, img_caption = _unique(lambda: _draw_image(rng, settings), seen)
+        vid, vid_caption = _unique(lambda: _draw_video(rng, settings), seen)
+        (media / f"{i:06d}.png").write_bytes(img)
         (media / f"{i:06d}.mp4").write_bytes(vid)
         code = ""
         if code_files:
@@ -273,12 +327,16 @@ def write_demo_corpus(out: str | Path, settings: DemoCorpusSettings | None = Non
     from tqdm import tqdm
 
     with tqdm(total=4, desc="demo corpus", unit="part", disable=None) as bar:
-        counts["images"] = len(_captioned_set(train, "shapes", rng, settings.num_images, settings, video=False)); bar.update()
-        counts["videos"] = len(_captioned_set(train, "motion", rng, settings.num_videos, settings, video=True)); bar.update()
-        counts["interleaved"] = _interleaved(train, rng, settings, train / "stdlib"); bar.update()
-        held_rng = np.random.default_rng(settings.seed + 1_000_003)
-        counts["heldout_images"] = len(_captioned_set(heldout, "shapes", held_rng, settings.num_heldout_images, settings, video=False))
-        counts["heldout_videos"] = len(_captioned_set(heldout, "motion", held_rng, settings.num_heldout_videos, settings, video=True)); bar.update()
+        # the held-out set first, so that no training image or clip repeats one of them pixel for
+        # pixel (shapes are drawn on a pixel grid: identical draws happen, ~7% of 7,500)
+        held_rng, seen = np.random.default_rng(settings.seed + 1_000_003), set()
+        counts["heldout_images"] = len(_captioned_set(heldout, "shapes", held_rng, settings.num_heldout_images, settings,
+                                                      video=False, seen=seen))
+        counts["heldout_videos"] = len(_captioned_set(heldout, "motion", held_rng, settings.num_heldout_videos, settings,
+                                                      video=True, seen=seen)); bar.update()
+        counts["images"] = len(_captioned_set(train, "shapes", rng, settings.num_images, settings, video=False, seen=seen)); bar.update()
+        counts["videos"] = len(_captioned_set(train, "motion", rng, settings.num_videos, settings, video=True, seen=seen)); bar.update()
+        counts["interleaved"] = _interleaved(train, rng, settings, train / "stdlib", seen); bar.update()
     (out / "README.txt").write_text(
         "omniloom demo corpus (generated by `omniloom data demo-corpus`).\n"
         "train/: stdlib source, pydoc topics, sample photos, synthetic captioned shapes/motion, interleaved docs.\n"

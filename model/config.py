@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 LAYER_KINDS = ("L", "G", "B")
+ROPE_LAYOUTS = ("sections", "interleaved")
+# the value a saved config (config.json of an export, config.yaml of a checkpoint) written before
+# the key existed means: the layout those models were trained with
+LEGACY_ROPE_LAYOUT = "sections"
 
 
 @dataclass(kw_only=True)
@@ -112,6 +116,13 @@ class ModelConfig:
     pad_token_id: int = -1
     rope_base: float = 10000.0
     rope_sections: tuple[int, int, int] = (16, 24, 24)  # head-dim split (t, h, w); sums to head_dim
+    # which rotary frequencies follow which axis (model/embeddings.py rope_axes): "sections" gives
+    # columns only the slowest (models trained before 2026-12 use it: a saved config without the
+    # key means "sections"); "interleaved" spreads every axis over the whole range
+    rope_layout: Literal["sections", "interleaved"] = "sections"
+    # > 0: learned absolute (time, row, column) embeddings added to patch embeddings, this many
+    # entries per axis (NaViT / AIMv2 style); 0: position through the rotary embedding alone
+    visual_pos_max: int = 0
     patch_dim: int = 3 * 16 * 16
     tubelet_dim: int = 3 * 2 * 16 * 16
     norm_eps: float = 1e-6
@@ -166,6 +177,10 @@ class ModelConfig:
                 f"model.rope_sections={list(self.rope_sections)} must be even numbers summing to the head dim "
                 f"{self.head_dim} (= dim / num_heads), e.g. {_suggest_sections(self.head_dim)}"
             )
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(f"model.rope_layout='{self.rope_layout}': choose one of {', '.join(ROPE_LAYOUTS)}")
+        if self.visual_pos_max < 0:
+            raise ValueError(f"model.visual_pos_max={self.visual_pos_max} must be >= 0 (0: no learned visual positions)")
         if not att.pattern or set(att.pattern) - set(LAYER_KINDS):
             raise ValueError(f"model.attention.pattern='{att.pattern}' may only use L (window), G (global), B (block top-k)")
         if att.window < 1 or att.block_size < 1 or att.num_selected_blocks < 1:

@@ -106,7 +106,7 @@ class OmniModel(nn.Module):
         self.ops = get_ops(cfg.kernels)
         self.embed = MultimodalEmbedding(
             vocab_size=cfg.vocab_size, dim=cfg.dim, patch_dim=cfg.patch_dim,
-            tubelet_dim=cfg.tubelet_dim, patch_token_id=cfg.patch_token_id,
+            tubelet_dim=cfg.tubelet_dim, patch_token_id=cfg.patch_token_id, visual_pos_max=cfg.visual_pos_max,
         )
         self.layers = nn.ModuleList(Block(cfg, i, kind, self.ops, expert_range)
                                     for i, kind in enumerate(cfg.layer_kinds()))
@@ -175,8 +175,8 @@ class OmniModel(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {(B, S)} like input_ids")
         if tuple(positions.shape) != (B, 3, S):
             raise ValueError(f"positions has shape {tuple(positions.shape)}, expected {(B, 3, S)}")
-        x_BSD = self.embed(input_ids, patches, patch_kind)
-        cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
+        x_BSD = self.embed(input_ids, patches, patch_kind, positions)
+        cos_BSd, sin_BSd = self.rope(positions)
         info = build_mask_info(doc_ids, block_ids, block_size=cfg.attention.block_size, window=cfg.attention.window)
         att = cfg.attention
         ctx = AttnContext(info, att.backend, att.num_selected_blocks, x_BSD.device, layout, dense_b=self.dense_b_layers,
@@ -247,12 +247,19 @@ class OmniModel(nn.Module):
             block_coverage=block_coverage,
         )
 
+    def rope(self, positions_B3S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's rotary (cos, sin) [B, S, head_dim / 2] for these (t, h, w) positions,
+        in the model's `rope_layout`."""
+        cfg = self.cfg
+        return mrope_angles(positions_B3S, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base,
+                            layout=cfg.rope_layout)
+
     def index_rope(self, positions_B3S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The B-layer index branches' RoPE angles for these positions (None without them)."""
         att = self.cfg.attention
         if not (self.cfg.has_indexer and att.indexer_rope_dim):
             return None
-        return index_rope_angles(positions_B3S[:, 0], att.indexer_rope_dim)
+        return index_rope_angles(positions_B3S, att.indexer_rope_dim, layout=self.cfg.rope_layout)
 
     def set_step(self, step: int) -> bool:
         """Tell the model the training step about to run: B layers attend densely while

@@ -6,44 +6,64 @@ d = head_dim / 2 rotary frequencies.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
+
+from .config import ROPE_LAYOUTS
 
 IMAGE, VIDEO = 2, 3  # modality codes of tokenizers/layout.py (the model imports nothing from there)
 
 
 class MultimodalEmbedding(nn.Module):
     """Token embedding, with the `<|patch|>` positions replaced by a linear embedding of their pixel
-    vectors: image patches through `patch`, video tubelets through `tubelet`."""
+    vectors: image patches through `patch`, video tubelets through `tubelet`.
 
-    def __init__(self, *, vocab_size: int, dim: int, patch_dim: int, tubelet_dim: int, patch_token_id: int):
+    `visual_pos_max > 0` adds factorised learned absolute positions to every patch embedding
+    (NaViT / AIMv2 style): `pos_t[ti] + pos_h[hi] + pos_w[wi]`, the patch's time, row and column
+    within its block (coordinates past `visual_pos_max - 1` share the last entry)."""
+
+    def __init__(self, *, vocab_size: int, dim: int, patch_dim: int, tubelet_dim: int, patch_token_id: int,
+                 visual_pos_max: int = 0):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, dim)
         self.patch = nn.Linear(patch_dim, dim, bias=False)
         self.tubelet = nn.Linear(tubelet_dim, dim, bias=False)
         self.patch_token_id = patch_token_id
+        self.visual_pos_max = visual_pos_max
+        if visual_pos_max:
+            self.pos_t = nn.Embedding(visual_pos_max, dim)
+            self.pos_h = nn.Embedding(visual_pos_max, dim)
+            self.pos_w = nn.Embedding(visual_pos_max, dim)
 
-    def forward(self, input_ids_BS: torch.Tensor, patches_PDp: torch.Tensor, patch_kind_P: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids_BS: torch.Tensor, patches_PDp: torch.Tensor, patch_kind_P: torch.Tensor,
+                positions_B3S: torch.Tensor | None = None) -> torch.Tensor:
         """No host sync and no data-dependent shape: every patch row is embedded by both
         projections and the one of its kind is kept (the other costs a small GEMM and keeps both
         weights in every step's graph), and the k-th `<|patch|>` position takes row k through a
-        cumulative count. Batch checks that need the data are device asserts."""
+        cumulative count. Batch checks that need the data are device asserts. `positions_B3S`
+        is needed only with learned visual positions (`visual_pos_max > 0`)."""
         x_BSD = self.tok(input_ids_BS)
         P = patches_PDp.shape[0] if patches_PDp is not None else 0
         if self.patch_token_id < 0:
             if P:
                 raise ValueError("the batch has patches but model.patch_token_id is -1: set it from omniloom_tokenizer.json")
             return x_BSD
-        is_patch_T = input_ids_BS.reshape(-1) == self.patch_token_id  # row-major, as PackedBatch
+        is_patch_BS = input_ids_BS == self.patch_token_id
+        is_patch_T = is_patch_BS.reshape(-1)  # row-major, as PackedBatch
         torch._assert_async(
             is_patch_T.sum() == P, "PackedBatch must give one patch row per <|patch|> token: the count of patch rows differs"
         )
         if P == 0:
-            # no patches in this batch: the two projections still join the graph (empty GEMMs, an
+            # no patches in this batch: the projections still join the graph (empty GEMMs, an
             # exact zero), so every parameter gets a gradient each step and DDP needs no
             # find_unused_parameters search
             idle = self.patch(x_BSD.new_zeros(0, self.patch.in_features)).sum()
             idle = idle + self.tubelet(x_BSD.new_zeros(0, self.tubelet.in_features)).sum()
+            if self.visual_pos_max:
+                none = input_ids_BS.new_zeros(0)
+                idle = idle + (self.pos_t(none).sum() + self.pos_h(none).sum() + self.pos_w(none).sum())
             return x_BSD + idle.to(x_BSD.dtype)
         need = max(self.patch.in_features, self.tubelet.in_features)
         if patches_PDp.shape[1] < need:
@@ -58,25 +78,81 @@ class MultimodalEmbedding(nn.Module):
         vid_PD = self.tubelet(patches_PDp[:, : self.tubelet.in_features].to(dt))
         emb_PD = torch.where((kind_P == IMAGE).unsqueeze(1), img_PD, vid_PD).to(x_BSD.dtype)
         row_T = (is_patch_T.cumsum(0) - 1).clamp(min=0)
+        emb_TD = emb_PD.index_select(0, row_T)
+        if self.visual_pos_max:
+            if positions_B3S is None:
+                raise ValueError("learned visual positions (model.visual_pos_max > 0) need the batch's positions")
+            emb_TD = emb_TD + self._grid_embedding(is_patch_BS, positions_B3S).to(emb_TD.dtype)
         flat_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        flat_TD = torch.where(is_patch_T.unsqueeze(1), emb_PD.index_select(0, row_T), flat_TD)
+        flat_TD = torch.where(is_patch_T.unsqueeze(1), emb_TD, flat_TD)
         return flat_TD.view_as(x_BSD)
 
+    def _grid_embedding(self, is_patch_BS: torch.Tensor, positions_B3S: torch.Tensor) -> torch.Tensor:
+        """pos_t + pos_h + pos_w of every token's (time, row, column) within its visual block [B*S, D]
+        (meaningless, and masked out by the caller, at other tokens). A block is a run of
+        `<|patch|>` tokens (its tags separate it from the next), whose first patch sits at the
+        block's origin (p, p, p), so a patch's grid coordinates are its positions minus those of
+        its run's first token: found by a running max of run starts, on the device."""
+        B, S = is_patch_BS.shape
+        prev_BS = torch.cat([is_patch_BS.new_zeros(B, 1), is_patch_BS[:, :-1]], dim=1)
+        starts_BS = is_patch_BS & ~prev_BS
+        idx_BS = torch.arange(S, device=is_patch_BS.device).expand(B, S)
+        first_BS = torch.where(starts_BS, idx_BS, torch.zeros_like(idx_BS)).cummax(dim=1).values
+        pos_B3S = positions_B3S.to(torch.long)
+        origin_B3S = pos_B3S.gather(2, first_BS.unsqueeze(1).expand(B, 3, S))
+        grid_B3S = (pos_B3S - origin_B3S).clamp(0, self.visual_pos_max - 1)
+        g = grid_B3S.permute(1, 0, 2).reshape(3, B * S)
+        return self.pos_t(g[0]) + self.pos_h(g[1]) + self.pos_w(g[2])
 
-def mrope_angles(positions_B3S: torch.Tensor, *, head_dim: int, sections: tuple[int, int, int], base: float) -> tuple[torch.Tensor, torch.Tensor]:
+
+def rope_axes(num_freqs: int, counts: tuple[int, int, int], layout: str) -> list[int]:
+    """The position axis (0 time, 1 row, 2 column) that rotary frequency i follows, for i in
+    0..num_freqs-1 ordered fastest first; `counts` frequencies per axis (summing to num_freqs).
+
+    `sections` (Qwen2-VL's M-RoPE): the first counts[0] frequencies, the fastest, follow time, the
+    next counts[1] rows, the last, the slowest, columns. With raw patches this leaves columns
+    only frequencies too slow to tell neighbours apart (a column step turns them by ~1e-3 rad at
+    head dim 32), so models trained this way cannot see left from right.
+    `interleaved` (as Qwen3-VL's interleaved M-RoPE): the axes take turns, each frequency going to
+    the axis furthest behind its share counts[a] / num_freqs so far (ties: t, h, w), so every
+    axis holds frequencies spread over the whole range, fast ones and slow ones; with equal
+    counts this is t h w t h w ...
+    Text has t = h = w, so for text every layout is plain 1-D RoPE."""
+    if sum(counts) != num_freqs or min(counts) < 0:
+        raise ValueError(f"rotary counts {counts} must be >= 0 and sum to {num_freqs}")
+    if layout == "sections":
+        return [0] * counts[0] + [1] * counts[1] + [2] * counts[2]
+    if layout not in ROPE_LAYOUTS:
+        raise ValueError(f"model.rope_layout={layout!r}: choose one of {', '.join(ROPE_LAYOUTS)}")
+    given = [0, 0, 0]
+    axes: list[int] = []
+    for i in range(num_freqs):
+        # integer deficit (scaled by num_freqs): counts[a] * (i + 1) - given[a] * num_freqs
+        a = max((a for a in range(3) if given[a] < counts[a]), key=lambda a: (counts[a] * (i + 1) - given[a] * num_freqs, -a))
+        axes.append(a)
+        given[a] += 1
+    return axes
+
+
+@functools.lru_cache(maxsize=64)
+def _axis_table(num_freqs: int, counts: tuple[int, int, int], layout: str, device: torch.device) -> torch.Tensor:
+    """`rope_axes` as a long tensor on `device`, made once per process and device (one small copy
+    to the device then, none per step)."""
+    return torch.tensor(rope_axes(num_freqs, counts, layout), dtype=torch.long, device=device)
+
+
+def mrope_angles(positions_B3S: torch.Tensor, *, head_dim: int, sections: tuple[int, int, int], base: float,
+                 layout: str = "sections") -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, S, d] in fp32 for the half-split rotary convention (kernels apply_rope).
 
-    Frequency i (of d = head_dim / 2, fastest first) rotates with the t, h or w position according
-    to `sections` (head-dim counts, halved into frequency counts): the first sections[0] / 2
-    frequencies follow time, the next sections[1] / 2 rows, the rest columns (M-RoPE, Qwen2-VL).
-    Text has t = h = w, so for text this is plain 1-D RoPE."""
+    Frequency i (of d = head_dim / 2, fastest first, base ** (-2i / head_dim)) rotates with the
+    t, h or w position that `rope_axes(d, sections / 2, layout)` gives it (`sections`: head-dim
+    counts per axis, halved into frequency counts). Text has t = h = w, so for text this is
+    plain 1-D RoPE whatever the layout."""
     d = head_dim // 2
     dev = positions_B3S.device
     inv_freq_d = base ** (-torch.arange(d, device=dev, dtype=torch.float64) * 2.0 / head_dim)
-    # frequency i follows axis 0, 1 or 2 by the section it falls in (arithmetic on the device:
-    # no host-to-device copy, no repeat_interleave of a data-sized result)
-    i_d = torch.arange(d, device=dev)
-    axis_d = (i_d >= sections[0] // 2).long() + (i_d >= (sections[0] + sections[1]) // 2).long()
+    axis_d = _axis_table(d, tuple(s // 2 for s in sections), layout, dev)
     pos_BSd = positions_B3S.to(torch.float64).index_select(1, axis_d).transpose(1, 2)
     ang = pos_BSd * inv_freq_d  # float64: positions up to 1e6 keep their phase exactly
     return ang.cos().float(), ang.sin().float()

@@ -77,11 +77,25 @@ class BlockIndexer(nn.Module):
 INDEX_ROPE_BASE = 10000.0
 
 
-def index_rope_angles(t_BS: torch.Tensor, rope_dim: int, base: float = INDEX_ROPE_BASE) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [B, S, rope_dim / 2] fp32 of the temporal positions `t_BS` (positions[:, 0]):
-    plain 1-D RoPE frequencies over the index's rotated dims."""
-    inv = base ** (-torch.arange(0, rope_dim, 2, device=t_BS.device, dtype=torch.float32) / rope_dim)
-    ang = t_BS.float().unsqueeze(-1) * inv
+def index_rope_angles(positions: torch.Tensor, rope_dim: int, base: float = INDEX_ROPE_BASE,
+                      layout: str = "sections") -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, S, rope_dim / 2] fp32 of the positions, plain 1-D RoPE frequencies over the
+    index's rotated dims. `positions`: [B, 3, S] (t, h, w), or [B, S] temporal positions.
+
+    Layout `sections` (models trained before `interleaved` existed) rotates by the temporal
+    position t alone, as those models were trained. `interleaved` rotates as the attention does (`omniloom.model.embeddings.rope_axes`, the index's frequencies split evenly
+    between t, h and w), so the index sees an image's rows and columns too. Text (t = h = w) gets
+    the same angles under every layout."""
+    from .embeddings import rope_axes
+
+    n = rope_dim // 2
+    inv = base ** (-torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim)
+    if positions.dim() == 2 or layout == "sections":
+        t_BS = positions if positions.dim() == 2 else positions[:, 0]
+        ang = t_BS.float().unsqueeze(-1) * inv
+    else:
+        axes = rope_axes(n, (n - 2 * (n // 3), n // 3, n // 3), layout)
+        ang = torch.stack([positions[:, a].float() * inv[i] for i, a in enumerate(axes)], dim=-1)
     return ang.cos(), ang.sin()
 
 

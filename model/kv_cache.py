@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttnContext
-from .embeddings import mrope_angles
 from .indexer import indexer_block_scores
 from .masks import build_mask_info
 
@@ -228,8 +227,8 @@ class CachedDecoder:
             raise ValueError("batched prompts must share one layout (same length and last position); decode them one by one")
         self._check_offload()
         self.reset()
-        x_BSD = model.embed(input_ids, patches, patch_kind)
-        cos_BSd, sin_BSd = mrope_angles(positions, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
+        x_BSD = model.embed(input_ids, patches, patch_kind, positions)
+        cos_BSd, sin_BSd = model.rope(positions)
         doc_ids = torch.zeros_like(input_ids, dtype=torch.int32)
         info = build_mask_info(doc_ids, block_ids, block_size=self.block_size, window=self.window)
         ctx = _PrefillContext(self, info, cfg.attention.backend, self.num_selected, x_BSD.device,
@@ -244,9 +243,10 @@ class CachedDecoder:
         return self._logits(x_BSD[:, -1:])
 
     @torch.no_grad()
-    def step(self, token_ids_B: torch.Tensor, modality_code: int = 0) -> torch.Tensor:
+    def step(self, token_ids_B: torch.Tensor, modality_code: int | torch.Tensor = 0) -> torch.Tensor:
         """Append one token per row (text or special, never a patch) and return the logits [B, V]
-        of the token after it. `modality_code`: 0 text, 1 code, 4 special (routes the MoE)."""
+        of the token after it. `modality_code`: 0 text, 1 code, 4 special (routes the MoE), one
+        for every row or a [B] tensor of one per row."""
         if not self.caches or self.length == 0:
             raise ValueError("call prefill() with the prompt before step()")
         self._check_offload()
@@ -255,10 +255,13 @@ class CachedDecoder:
         B = ids_B1.shape[0]
         pos = self.next_position
         positions_B31 = torch.full((B, 3, 1), pos, dtype=torch.int32, device=ids_B1.device)
-        modality_B1 = torch.full((B, 1), modality_code, dtype=torch.uint8, device=ids_B1.device)
+        if isinstance(modality_code, torch.Tensor):
+            modality_B1 = modality_code.reshape(B, 1).to(device=ids_B1.device, dtype=torch.uint8)
+        else:
+            modality_B1 = torch.full((B, 1), modality_code, dtype=torch.uint8, device=ids_B1.device)
         empty = torch.zeros(0, max(cfg.patch_dim, cfg.tubelet_dim), device=ids_B1.device)
         x_B1D = model.embed(ids_B1, empty, torch.zeros(0, dtype=torch.uint8, device=ids_B1.device))
-        cos, sin = mrope_angles(positions_B31, head_dim=cfg.head_dim, sections=cfg.rope_sections, base=cfg.rope_base)
+        cos, sin = model.rope(positions_B31)
         ctx = _StepContext(self, self.length, model.index_rope(positions_B31))
         for i, layer in enumerate(model.layers):
             ctx.layer = i

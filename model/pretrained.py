@@ -30,9 +30,13 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 
 def model_config_from_dict(data: dict):
     """ModelConfig (with its nested attention / moe configs) from plain JSON data; an unknown key
-    is a ValueError naming the closest valid one (an export from a newer omniloom, or a typo)."""
-    from .config import ModelConfig
+    is a ValueError naming the closest valid one (an export from a newer omniloom, or a typo).
+    A saved config without `rope_layout` was written before the key existed: its model was
+    trained with the `sections` layout, and keeps it."""
+    from .config import LEGACY_ROPE_LAYOUT, ModelConfig
 
+    if isinstance(data, dict) and "rope_layout" not in data:
+        data = {**data, "rope_layout": LEGACY_ROPE_LAYOUT}
     return _build(ModelConfig, data, "model")
 
 
@@ -182,7 +186,7 @@ def read_safetensors(path: str | Path, device: str = "cpu") -> dict:
 _MAX_INT = 2**31 - 1
 _MAY_BE_MINUS_ONE = {"patch_token_id", "pad_token_id"}
 _MAY_BE_ZERO = {"num_experts", "num_shared_experts", "num_dense_layers", "num_visual_experts", "dense_warmup_steps",
-                "indexer_rope_dim"}
+                "indexer_rope_dim", "visual_pos_max"}
 
 
 def _check_bounds(cfg, path: str = "model", config_name: str = CONFIG_NAME) -> None:

@@ -129,7 +129,44 @@ def load_config(preset: str | None = None, overrides: list[str] | None = None) -
     return from_dict(RunConfig, data, source=Sources(source, overridden))
 
 
+def load_saved_config(path: str | Path) -> RunConfig:
+    """The resolved config a checkpoint saved (its config.yaml). Keys added after it was written
+    take the value that matches how it was trained, not today's default: a config without
+    `model.rope_layout` trained with the `sections` layout."""
+    from omniloom.model.config import LEGACY_ROPE_LAYOUT
+
+    data = load_yaml(Path(path))
+    model = data.get("model") if isinstance(data, dict) else None
+    if isinstance(model, dict) and "rope_layout" not in model:
+        data = {**data, "model": {**model, "rope_layout": LEGACY_ROPE_LAYOUT}}
+    return from_dict(RunConfig, data, source=Sources(str(path), set()))
+
+
+# model settings that no weight's shape records: resuming under other values would silently train
+# another model on the checkpoint's weights
+POSITION_KEYS = ("rope_layout", "rope_sections", "rope_base")
+
+
+def check_resume_positions(cfg: RunConfig, checkpoint: str | Path) -> None:
+    """Refuse to resume `checkpoint` under position settings other than those it was trained
+    with (a checkpoint from before `model.rope_layout` existed trained with `sections`)."""
+    saved_path = Path(checkpoint) / "config.yaml"
+    if not saved_path.is_file():
+        return  # the checkpoint checks report a checkpoint without its config
+    saved = load_saved_config(saved_path).model
+    diff = [(k, getattr(saved, k), getattr(cfg.model, k)) for k in POSITION_KEYS if getattr(saved, k) != getattr(cfg.model, k)]
+    if diff:
+        fix = " ".join(f"model.{k}={_cli_value(a)}" for k, a, _ in diff)
+        raise ConfigError(f"{checkpoint} was trained with " + ", ".join(f"model.{k}={_cli_value(a)}" for k, a, _ in diff)
+                          + " but this run sets " + ", ".join(f"{_cli_value(b)}" for _, _, b in diff)
+                          + f": positions would change under the trained weights; resume with {fix}")
+
+
+def _cli_value(v) -> str:
+    return "[" + ",".join(str(x) for x in v) + "]" if isinstance(v, (tuple, list)) else str(v)
+
+
 __all__ = [
-    "CheckpointConfig", "ConfigError", "LoggingConfig", "OptimConfig", "RunConfig", "TrainConfig",
-    "list_presets", "load_config", "presets_dir", "resolve_preset", "to_yaml",
+    "CheckpointConfig", "ConfigError", "check_resume_positions", "LoggingConfig", "OptimConfig", "RunConfig", "TrainConfig",
+    "list_presets", "load_config", "load_saved_config", "presets_dir", "resolve_preset", "to_yaml",
 ]

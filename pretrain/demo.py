@@ -90,7 +90,7 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
               run / "checkpoints" / f"step_{steps:08d}"),
         Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
-                                "--no-progress", *threads), out / "eval.json"),
+                                "--no-progress", "--captions", *threads), out / "eval.json"),
         # --force: an export cut off before its config.json is redone (the demo owns that folder)
         Stage("export", _omniloom("export", str(run), "--out", str(export), "--force"), export / "config.json"),
         Stage("generate from an image", _omniloom("generate", str(export), "--image", str(_first_heldout_image(corpus)),
@@ -176,6 +176,13 @@ def _summary(out: Path, timings: dict) -> None:
             print(f"  held-out loss (omniloom eval{f', {docs} documents' if docs else ''}, nats/token): {fmt(ev['loss'])}")
         if "cross_modal_gap" in ev:
             print(f"  cross-modal gap (nats/token; > 0: the model reads its pixels): {fmt(ev['cross_modal_gap'], '+')}")
+        cap = ev.get("captions") or {}
+        if cap.get("exact"):
+            docs = cap.get("docs") or {}
+            print("  exact captions from the pixels alone (greedy, held-out): "
+                  + ", ".join(f"{k} {v:.1%} of {docs.get(k)}" for k, v in cap["exact"].items()))
+            for kind, rows in (cap.get("attributes") or {}).items():
+                print(f"    {kind}: " + ", ".join(f"{a} {r['accuracy']:.0%} (majority {r['majority']:.0%})" for a, r in rows.items()))
     metrics = out / "run" / "metrics.jsonl"
     if metrics.exists():
         from .metrics import read_metrics

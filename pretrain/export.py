@@ -83,12 +83,12 @@ def load_checkpoint_config(ckpt: Path):
     """The resolved RunConfig saved with a checkpoint (config.yaml), with model.moe.expert_parallel
     reset to 1: a checkpoint holds the full, unsharded model whatever layout trained it, and what
     reads it here (export, eval) runs it in one process."""
-    from .config import load_config
+    from .config import load_saved_config
 
     path = Path(ckpt) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{ckpt} has no config.yaml; it was not written by `omniloom train`")
-    cfg = load_config(str(path))
+    cfg = load_saved_config(path)
     if cfg.model.moe.expert_parallel != 1:
         moe = dataclasses.replace(cfg.model.moe, expert_parallel=1)
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=moe))

@@ -95,6 +95,16 @@ def sample_next(logits_BV: torch.Tensor, *, temperature: float, top_p: float, ge
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def forbid_patch_token(logits_BV: torch.Tensor, model) -> torch.Tensor:
+    """The logits with `<|patch|>` made impossible: a generated patch token would have no pixel
+    vector to embed (the model's embedding refuses it), so it can never be the next token."""
+    patch_id = getattr(getattr(model, "cfg", None), "patch_token_id", -1)
+    if 0 <= patch_id < logits_BV.shape[-1]:
+        logits_BV = logits_BV.clone()
+        logits_BV[..., patch_id] = float("-inf")
+    return logits_BV
+
+
 def _modality_of(token_id: int) -> int:
     from omniloom.tokenizers.layout import token_modality
 
@@ -178,12 +188,9 @@ def _generate(model, prompt: Prompt, *, max_new_tokens, temperature, top_p, gen,
         from tqdm import tqdm
 
         bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", leave=False)
-    patch_id = model.cfg.patch_token_id
     for _ in range(max_new_tokens):
-        logits = logits.float().cpu()
-        if patch_id >= 0:  # <|patch|> stands for pixels, which generation cannot give it: never chosen
-            logits[..., patch_id] = float("-inf")
-        token = int(sample_next(logits, temperature=temperature, top_p=top_p, generator=gen)[0])
+        token = int(sample_next(forbid_patch_token(logits.float().cpu(), model), temperature=temperature, top_p=top_p,
+                                generator=gen)[0])
         new.append(token)
         if bar is not None:
             bar.update()

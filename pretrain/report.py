@@ -186,6 +186,39 @@ def _eval_html(ev: dict) -> str:
                      "own, in nats per caption token: positive means the model reads its visual tokens.</p>")
         parts.append(_table(["kind", "gap", "loss with own visual", "loss with another's", "documents", "caption tokens"],
                             rows, "cross_modal_gap"))
+    if (ev.get("captions") or {}).get("exact"):
+        parts.append(_captions_html(ev["captions"]))
+    return "\n".join(parts)
+
+
+def _captions_html(cap: dict) -> str:
+    """`omniloom eval --captions`: exact captions, the per-attribute table, the probes."""
+    from .captions import PROBE_TARGETS
+
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    docs = cap.get("docs") or {}
+    parts = ["<h3>Captions</h3><p>Greedy captions generated from each held-out image or video alone, compared "
+             "with its true caption. A model that reads where things are gets position words right; one that "
+             "reads an image as a bag of patches gets them at the majority baseline.</p>"]
+    parts.append(_table(["kind", "documents", "exact captions"],
+                        [[k, _sig(docs.get(k)), pct(v)] for k, v in cap["exact"].items()], "captions_exact"))
+    for kind, rows in (cap.get("attributes") or {}).items():
+        parts.append(_table([f"{kind} attribute", "accuracy", "majority baseline"],
+                            [[a, pct(r["accuracy"]), f"{pct(r['majority'])} ({r['majority_value']})"] for a, r in rows.items()],
+                            f"captions_{kind}_attributes"))
+    probes = cap.get("probes") or {}
+    if probes:
+        rows = []
+        for name, p in probes.items():
+            attr = PROBE_TARGETS.get(name, (None,))[0]
+            has = attr is not None and f"{attr}_changed" in p
+            rows.append([name, _sig(p["docs"]), pct(p["changed"]),
+                         f"{pct(p[attr + '_changed'])} of {p[attr + '_docs']} ({attr})" if has else "-",
+                         pct(p[attr + "_transformed"]) if has else "-"])
+        parts.append("<p>Probes: the same captions after mirroring (left-right) or flipping (top-bottom) each image, "
+                     "shuffling its patches, or reversing each video in time.</p>")
+        parts.append(_table(["probe", "documents", "captions changed", "position/direction word changed",
+                             "... to the transformed truth"], rows, "captions_probes"))
     return "\n".join(parts)
 
 
@@ -198,9 +231,9 @@ def _run_settings(run_dir: Path) -> list[tuple[str, str]]:
     if ckpt is None or not (ckpt / "config.yaml").is_file():
         return []
     try:
-        from .config import load_config
+        from .config import load_saved_config
 
-        cfg = load_config(str(ckpt / "config.yaml"))
+        cfg = load_saved_config(ckpt / "config.yaml")
     except Exception:  # the report must not fail on an old or hand-edited config
         return []
     world = None
@@ -212,6 +245,8 @@ def _run_settings(run_dir: Path) -> list[tuple[str, str]]:
     out = [
         ("model", f"{m.num_layers} layers, width {m.dim}, {m.num_heads} heads ({m.num_kv_heads} kv), vocabulary {m.vocab_size}"),
         ("attention", f"pattern {m.attention.pattern}, backend {m.attention.backend}, window {m.attention.window}"),
+        ("positions", f"M-RoPE {m.rope_layout} (t, h, w head dims {list(m.rope_sections)})"
+         + (f", learned visual positions up to {m.visual_pos_max}" if m.visual_pos_max else "")),
         ("MoE", f"{m.moe.num_experts} experts, top-{m.moe.num_experts_per_token}, {m.moe.num_shared_experts} shared"),
         ("data", ", ".join(f"{s.path} (weight {s.weight:g})" for s in d.sources) or "(none recorded)"),
         ("batch", f"{d.batch_size} rows x {d.seq_len} tokens per rank" + (f", {world} process(es)" if world else "")

@@ -32,8 +32,8 @@ from omniloom.model.decoder import is_indexer_param
 
 from . import build as B
 from .checkpoint import CheckpointManager, latest_checkpoint, resolve_resume
+from .config import RunConfig, check_resume_positions, load_config, to_yaml
 from .init_from import check_init_from, load_init_weights
-from .config import RunConfig, load_config, to_yaml
 from .train_args import add_train_args, config_from_args  # noqa: F401 (re-exported)
 from .config_io import to_dict
 from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector
@@ -110,6 +110,8 @@ class Trainer:
                              "data.sources='[{path: shards/train}]' data.tokenizer=tok")
         # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / "checkpoints")
+        if resume is not None:
+            check_resume_positions(cfg, resume)
         init_from = check_init_from(cfg.train.init_from)
         configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
                           quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0)
