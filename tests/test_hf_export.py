@@ -29,14 +29,18 @@ NEW_TOKENS = 32
 # with a shared expert and modality groups (the allowed-expert table a meta-device load must refill)
 EXPORTS = {
     "pooled": dict(pattern="LGB", selector="pooled", modality_groups=True),
-    "indexer": dict(pattern="GBL", selector="indexer", modality_groups=False),
+    # ... and the position settings of issue 29 (interleaved M-RoPE, learned visual positions):
+    # config fields the Hugging Face side knows nothing about, carried by omniloom's own code
+    "indexer": dict(pattern="GBL", selector="indexer", modality_groups=False,
+                    extra=dict(rope_layout="interleaved", visual_pos_max=16)),
 }
 LAYER_TASKS = ("omniloom_absent", "load", "logits", "loss_grads", "generate")
 TEXT_PROMPT = "The river bends twice"
 IMAGE_PROMPT = "A picture of"
 
 
-def make_export(tok_dir: Path, out: Path, *, pattern: str, selector: str, modality_groups: bool, seed: int = 0) -> Path:
+def make_export(tok_dir: Path, out: Path, *, pattern: str, selector: str, modality_groups: bool, extra: dict | None = None,
+                seed: int = 0) -> Path:
     from omniloom.model import OmniModel
     from omniloom.pretrain.export import save_export
 
@@ -48,7 +52,8 @@ def make_export(tok_dir: Path, out: Path, *, pattern: str, selector: str, modali
                                                 num_selected_blocks=3, selector=selector, indexer_dim=8,
                                                 indexer_heads=2, indexer_rope_dim=4),
                       moe=MoEConfig(num_experts=4, num_experts_per_token=2, expert_dim=16, num_shared_experts=1,
-                                    num_dense_layers=1, dense_dim=32, modality_groups=modality_groups))
+                                    num_dense_layers=1, dense_dim=32, modality_groups=modality_groups),
+                      **(extra or {}))
     torch.manual_seed(seed)
     model = OmniModel(cfg)
     with torch.no_grad():  # non-zero balancing biases: they must load too
