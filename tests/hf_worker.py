@@ -113,6 +113,13 @@ def task_lora(ctx, arg):
         return {"skipped": f"peft is not installed ({err})"}
     model = transformers.AutoModelForCausalLM.from_pretrained(ctx["export"], trust_remote_code=True)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=arg["targets"]))
+    if arg.get("refused"):  # an adapter the model would skip: forward says so
+        batch = _batch(ctx["inputs"], arg["batch"])
+        try:
+            lora(input_ids=batch["input_ids"], **{k: batch[k] for k in LAYOUT if k in batch})
+        except ValueError as err:
+            return {"error": str(err)}
+        return {"error": None}
     params = [p for p in lora.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     opt = torch.optim.AdamW(params, lr=1e-2)

@@ -117,6 +117,8 @@ def setup(tmp_path_factory):
     inputs = {f"packed.{k}": getattr(batch, k) for k in fields}
     frames = np.stack([np.full((20, 28, 3), 40 * i, np.uint8) for i in range(5)])
     inputs["frames"] = torch.from_numpy(frames)
+    pixels = np.random.default_rng(0).integers(0, 256, (30, 44, 3), dtype=np.uint8)
+    inputs["pixels"] = torch.from_numpy(pixels)
     image = str(root / "media" / "img.png")
     gen = {"max_new_tokens": NEW_TOKENS, "do_sample": False}
     tasks = [
@@ -135,8 +137,10 @@ def setup(tmp_path_factory):
                               "generate": {"max_new_tokens": 4, "do_sample": True, "num_return_sequences": 2}}),
         ("processor:docs", {"documents": docs, "eos": True}),
         ("processor:frames", {"text": "Frames", "videos": "@frames"}),
+        ("processor:pixels", {"text": "Pixels", "images": "@pixels"}),
         ("pipeline", {"prompt": TEXT_PROMPT, "max_new_tokens": 8}),
         ("bf16", "packed"), ("lora", {"targets": ["wo", "w_down"], "batch": "packed"}),
+        ("lora:fused", {"targets": ["wq", "wv"], "batch": "packed", "refused": True}),
         ("save", str(root / "saved_by_hf")),
     ]
     runs = {}
@@ -148,7 +152,7 @@ def setup(tmp_path_factory):
         runs[name] = {"export": export, "tasks": mine}
     results = run_worker(runs, root / "work", inputs)
     out = {name: (run["export"], results[name]) for name, run in runs.items()}
-    return {"root": root, "tok_dir": tok_dir, "tok": tok, "docs": docs, "batch": batch, "frames": frames,
+    return {"root": root, "tok_dir": tok_dir, "tok": tok, "docs": docs, "batch": batch, "frames": frames, "pixels": pixels,
             "image": image, "results": out}
 
 
@@ -274,6 +278,11 @@ def test_processor_builds_omniloom_documents_and_prompts(pooled, setup):
                                {"v": setup["frames"]}, tok)
     assert res["processor:frames"]["input_ids"][0].tolist() == frames.ids_L[:-1].tolist()
     assert np.array_equal(res["processor:frames"]["patches"].numpy(), frames.blocks[0].patches_ND)
+    pixels = tokenize_document({"segments": [{"type": "image", "ref": "i"}, {"type": "text", "text": "Pixels"}]},
+                               {"i": setup["pixels"]}, tok)
+    got = res["processor:pixels"]
+    assert got["input_ids"][0].tolist() == pixels.ids_L[:-1].tolist()
+    assert np.array_equal(got["patches"].numpy()[:, :tok.patch_dim], pixels.blocks[0].patches_ND)
     assert prompt.length > 0  # the image prompt's own check is the generation test above
 
 
@@ -301,6 +310,8 @@ def test_lora_adapter_trains_three_steps(pooled):
         pytest.skip(lora["skipped"])
     assert lora["trainable"] > 0 and lora["changed"] == lora["trainable"] and lora["frozen"] > 0
     assert all(np.isfinite(lora["losses"])) and lora["losses"][-1] < lora["losses"][0]
+    # LoRA on a projection the model reads as a fused weight would change nothing: refused by name
+    assert "layers.0.attn.wq is wrapped" in res["lora:fused"]["error"] and "apply LoRA" in res["lora:fused"]["error"]
 
 
 

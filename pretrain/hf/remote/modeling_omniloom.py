@@ -16,8 +16,8 @@ omniloom's modules made at export time. This file only adapts them to Hugging Fa
 Padding: rows may be padded on either side (attention_mask 0). Each row is moved so its tokens
 start at column 0, the padding becomes a document of its own (attention never crosses
 documents), and outputs go back to the caller's columns: a padded row computes what it computes
-alone. (B layers choose among fixed 64-token-style blocks counted from the row's start, so left
-padding left in place would change their choice.)
+alone. (B layers choose among blocks of model.attention.block_size tokens counted from the row's
+start, so left padding left in place would change their choice.)
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from .model_moe import VISUAL_MODALITIES, MoE, allowed_experts
 from .tokenizers_layout import token_modality
 
 LAYOUT_INPUTS = ("positions", "doc_ids", "block_ids", "modality", "patches", "patch_kind")
+# projections the model reads as fused weight matrices (q/k/v, gate/up, the head) and never calls:
+# a wrapper around one (a PEFT LoRA layer) would be skipped silently, so forward refuses it
+FUSED_PROJECTIONS = ("wq", "wk", "wv", "w_gate", "w_up", "head")
 # transformers 5 names the cache argument and output `cache`, 4.x `past_key_values`
 CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -101,6 +104,7 @@ class OmniloomForCausalLM(OmniModel, OmniloomPreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values
         if isinstance(cache, OmniloomCache) and cache.started:
             return _output(logits=cache.step(input_ids[:, -1])[:, None], cache=cache)
+        self._check_projections()
         rows = Rows(self, input_ids, attention_mask, positions=positions, doc_ids=doc_ids, block_ids=block_ids,
                     modality=modality, patches=patches, patch_kind=patch_kind)
         if use_cache and labels is None and logits_to_keep == 1:  # generate()'s prefill
@@ -111,6 +115,14 @@ class OmniloomForCausalLM(OmniModel, OmniloomPreTrainedModel, GenerationMixin):
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         return _output(loss=out.loss if labels is not None else None, logits=logits)
+
+    def _check_projections(self) -> None:
+        for name, module in self.named_modules():
+            if name.rsplit(".", 1)[-1] in FUSED_PROJECTIONS and ".indexer." not in f".{name}." \
+                    and not isinstance(module, torch.nn.Linear):
+                raise ValueError(f"{name} is wrapped ({type(module).__name__}), but the model reads its weight "
+                                 f"directly (fused with its siblings), so the wrapper would have no effect: apply "
+                                 f"LoRA and other adapters to wo and w_down, not to {', '.join(FUSED_PROJECTIONS)}")
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, past_key_values=None, attention_mask=None,
                                       use_cache=True, logits_to_keep=0, **kwargs):
