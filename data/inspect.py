@@ -12,7 +12,7 @@ import json
 import os
 from collections import Counter
 
-from .manifest import iter_sample_at, iter_shard_samples, read_manifest, sample_index
+from .manifest import ReadLimits, Refused, iter_sample_at, iter_shard_samples, read_manifest, sample_index
 from .validate import check_output_document
 
 # --- inspect -----------------------------------------------------------------------------------
@@ -210,6 +210,7 @@ def verify(directory: str, *, media: bool = True, progress: bool = False, max_pr
     from .validate import Reject
 
     man = read_manifest(directory)
+    limits = ReadLimits.from_settings(man.get("settings"))  # what training reads; nothing larger or sparse is read here either
     loose = MediaLimits(max_image_pixels=1 << 40, min_image_side=1, max_image_aspect=1e9, max_image_bytes=1 << 40,
                         max_image_frames=1 << 30, max_video_seconds=1e12, min_video_side=1, max_video_side=1 << 30, max_video_bytes=1 << 40)
     problems: list[str] = []
@@ -245,18 +246,22 @@ def verify(directory: str, *, media: bool = True, progress: bool = False, max_pr
         expected = [(s["offset"], s["key"]) for s in shard["samples"]]
         got = []
         try:
-            for offset, key, members in iter_shard_samples(path):
+            for offset, key, members in iter_shard_samples(path, limits=limits):
                 got.append((offset, key))
                 counts["documents"] += 1
                 where = f"{shard['name']}:{key}"
                 if next(iter(members)) != "doc.json":
                     problem(f"{where}: doc.json is not the first member")
+                suffixes = set(members)
+                for suffix in [k for k, v in members.items() if isinstance(v, Refused)]:
+                    refused = members.pop(suffix)
+                    problem(f"{where}: {refused.message} (training skips the sample: {refused.reason})")
                 try:
                     doc = json.loads(members["doc.json"])
-                except (KeyError, json.JSONDecodeError) as err:
+                except (KeyError, json.JSONDecodeError, RecursionError) as err:
                     problem(f"{where}: doc.json missing or invalid ({err})")
                     continue
-                for p in check_output_document(doc, set(members)):
+                for p in check_output_document(doc, suffixes):
                     problem(f"{where}: {p}")
                 for seg in doc.get("segments", []):
                     seg_totals[seg.get("type")] += 1

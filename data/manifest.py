@@ -7,6 +7,8 @@ Public helpers:
   first member's 512-byte tar header starts at `offset`.
 - `iter_shard_samples(tar_path) -> iterator of (offset, key, {suffix: bytes})`: read a shard
   front to back, grouping members into samples.
+- `ReadLimits` / `member_refusal(tarinfo, suffix, limits)`: the build's size limits as a reader
+  applies them, and whether a member may be read at all (decided from its header).
 - `write_json_atomic(path, obj)`: temp file + fsync + rename, so no reader sees half a manifest.
 """
 
@@ -16,6 +18,10 @@ import json
 import os
 import tarfile
 from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .media import MediaLimits
+from .validate import TextPolicy
 
 FORMAT = "omniloom-shards"
 VERSION = 1
@@ -48,6 +54,61 @@ def parse_manifest(text: str, where: str) -> dict:
     if man.get("version") != VERSION:
         raise ValueError(f"{where} has manifest version {man.get('version')}; this omniloom reads version {VERSION}")
     return man
+
+
+DOC_JSON_GROWTH = 8  # a doc.json holds one input's text, which JSON escaping grows up to 6x (\u0001), and its meta
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadLimits:
+    """The largest tar member a reader accepts, by kind: what `omniloom data build` lets into a
+    shard (its --max-text-bytes, --max-image-bytes and --max-video-bytes, as the manifest's
+    `settings` record them; the build's defaults when a manifest has none). A member past its
+    limit is skipped unread (`oversize_member`), so a hostile header cannot size an allocation."""
+
+    doc_json_bytes: int = DOC_JSON_GROWTH * TextPolicy().max_bytes
+    image_bytes: int = MediaLimits().max_image_bytes
+    video_bytes: int = MediaLimits().max_video_bytes
+
+    @classmethod
+    def from_settings(cls, settings) -> "ReadLimits":
+        """The limits of a build from its manifest's `settings` (missing or malformed values: the defaults)."""
+        settings = settings if isinstance(settings, dict) else {}
+        text, media = settings.get("text"), settings.get("limits")
+        text, media = (text if isinstance(text, dict) else {}), (media if isinstance(media, dict) else {})
+        default = cls()
+
+        def size(value, fallback: int, scale: int = 1) -> int:
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            return value * scale if ok else fallback
+
+        return cls(doc_json_bytes=size(text.get("max_bytes"), default.doc_json_bytes, DOC_JSON_GROWTH),
+                   image_bytes=size(media.get("max_image_bytes"), default.image_bytes),
+                   video_bytes=size(media.get("max_video_bytes"), default.video_bytes))
+
+    def for_member(self, suffix: str) -> tuple[int, str]:
+        """(limit in bytes, the build option behind it) of the member `KEY.<suffix>`; the build
+        names media `img<i>.<ext>` and `vid<i>.<ext>`; another member gets the largest limit."""
+        if suffix == "doc.json":
+            return self.doc_json_bytes, f"{DOC_JSON_GROWTH} x --max-text-bytes"
+        if suffix.startswith("img"):
+            return self.image_bytes, "--max-image-bytes"
+        if suffix.startswith("vid"):
+            return self.video_bytes, "--max-video-bytes"
+        return max(self.doc_json_bytes, self.image_bytes, self.video_bytes), "the largest of the build's limits"
+
+
+def member_refusal(info: tarfile.TarInfo, suffix: str, limits: ReadLimits) -> tuple[str, str] | None:
+    """(skip reason, message) when the member `KEY.<suffix>` must not be read, from its header
+    alone: sparse (tarfile fills the holes with zeros in memory: a 30 KB shard can hold 3 GiB),
+    or larger than the build lets into a shard. None when it may be read."""
+    if info.issparse():
+        return "sparse_member", (f"member {suffix!r} is a sparse file ({info.size} bytes once its holes are filled); "
+                                 "`omniloom data build` writes none: the shard was made elsewhere; left unread")
+    limit, option = limits.for_member(suffix)
+    if info.size > limit:
+        return "oversize_member", f"member {suffix!r} is {info.size} bytes, above the build's limit of {limit} ({option}); left unread"
+    return None
 
 
 def write_json_atomic(path: str | os.PathLike, obj, *, indent: int | None = 1) -> None:
@@ -112,9 +173,19 @@ def iter_sample_at(tar_path: str | os.PathLike, offset: int) -> tuple[str, dict[
     return key, members
 
 
-def iter_shard_samples(tar_path: str | os.PathLike, *, only: tuple[str, ...] | None = None) -> Iterator[tuple[int, str, dict[str, bytes | None]]]:
+@dataclass(frozen=True)
+class Refused:
+    """A member `iter_shard_samples(limits=...)` left unread, and why (`member_refusal`)."""
+
+    reason: str
+    message: str
+
+
+def iter_shard_samples(tar_path: str | os.PathLike, *, only: tuple[str, ...] | None = None,
+                       limits: ReadLimits | None = None) -> Iterator[tuple[int, str, dict[str, bytes | Refused | None]]]:
     """Yield (offset, key, {suffix: bytes}) for every sample of a shard in file order. With `only`,
-    read only those members' data; the others map to None (skipped, never read)."""
+    read only those members' data; the others map to None (skipped, never read). With `limits`,
+    a member that `member_refusal` refuses maps to a `Refused` and is never read."""
     with tarfile.open(tar_path, "r:") as tf:
         cur_key, cur_off, cur = None, 0, {}
         for info in tf:
@@ -123,7 +194,10 @@ def iter_shard_samples(tar_path: str | os.PathLike, *, only: tuple[str, ...] | N
                 if cur_key is not None:
                     yield cur_off, cur_key, cur
                 cur_key, cur_off, cur = k, info.offset, {}
-            if only is None or suffix in only:
+            refused = member_refusal(info, suffix, limits) if limits is not None else None
+            if refused is not None:
+                cur[suffix] = Refused(*refused)
+            elif only is None or suffix in only:
                 cur[suffix] = tf.extractfile(info).read() if info.isfile() else b""
             else:
                 cur[suffix] = None

@@ -7,10 +7,17 @@ in the buffers by these references instead of replaying an epoch.
 
 Local shards are read with seek; remote shards (URLs, `pipe:` commands) are streamed through
 webdataset's `gopen`, and a forward jump within the open stream is done by reading and discarding.
+
+A shard is data, not code to trust: a sample is read only within its byte range (bounded by the
+file's real size, so a manifest's offset never sizes an allocation), a member larger than the
+build's limits (`ReadLimits`, from the manifest's build settings) or sparse (tar holes expand to
+zeros in memory) is never read, and offsets out of order or a key that is not the manifest's skip
+the sample: each is a counted `SampleError`, never a dead run (docs/data-format.md section 1).
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import logging
@@ -21,7 +28,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .config import SourceConfig
-from .manifest import parse_manifest, split_member
+from .manifest import ReadLimits, member_refusal, parse_manifest, split_member
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +43,31 @@ class SampleError(Exception):
         self.reason = reason
 
 
+READ_CHUNK = 1 << 20  # remote streams are read in chunks this large: memory follows the bytes that exist
+
+
 @dataclass
 class ShardInfo:
-    """One tar of a shard set, with the byte offset of each sample's first header."""
+    """One tar of a shard set, with the byte offset of each sample's first header (-1: the
+    manifest's entry was not an integer; that sample is skipped as `bad_offset`)."""
 
     url: str
     name: str
     offsets: list[int]
     keys: list[str]
     num_bytes: int = -1  # -1: unknown, read to the end of the stream for the last sample
+    limits: ReadLimits = field(default_factory=ReadLimits)
+    _sorted: list[int] | None = field(default=None, repr=False, compare=False)
+
+    def byte_range(self, i: int) -> tuple[int, int]:
+        """[start, end) of sample i: from its offset to the next larger offset of the shard (end
+        -1: to the end of the stream). Not the next entry's offset: a manifest that lists samples
+        out of order then costs only the entries that lie, not their neighbours."""
+        if self._sorted is None:
+            self._sorted = sorted(set(o for o in self.offsets if o >= 0))
+        start = self.offsets[i]
+        j = bisect.bisect_right(self._sorted, start)
+        return start, (self._sorted[j] if j < len(self._sorted) else self.num_bytes)
 
     @property
     def num_samples(self) -> int:
@@ -99,8 +122,29 @@ def _expand(pattern: str) -> list[str]:
     return list(braceexpand.braceexpand(pattern))
 
 
+def _int_or(value, fallback: int) -> int:
+    """An integer from a manifest (an integral float such as 1e3 too), else `fallback`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+        return fallback
+    return int(value) if int(value) == value else fallback
+
+
+def _samples(entry: dict) -> tuple[list[int], list[str]]:
+    """(offsets, keys) of a manifest shard entry; an entry that is not {key, offset} reads as key
+    "" at offset -1, skipped at read time like any other lie of the manifest."""
+    offsets, keys = [], []
+    for s in entry.get("samples") or []:
+        s = s if isinstance(s, dict) else {}
+        offsets.append(_int_or(s.get("offset"), -1))
+        keys.append(str(s.get("key", "")))
+    return offsets, keys
+
+
 def _shards_from_manifest(manifest: dict, base: str, urls: list[str] | None, where: str) -> list[ShardInfo]:
     entries = manifest.get("shards") or []
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
+        raise ValueError(f"{where}: 'shards' is not a list of {{name, samples}} entries; rebuild the manifest with `omniloom data build`")
+    limits = ReadLimits.from_settings(manifest.get("settings"))
     by_name = {e["name"]: e for e in entries}
     shards = []
     if urls is None:
@@ -118,22 +162,60 @@ def _shards_from_manifest(manifest: dict, base: str, urls: list[str] | None, whe
                 entry = by_name[max(hits, key=len)]
             pairs.append((url, entry))
     for url, e in pairs:
-        samples = e.get("samples") or []
-        shards.append(ShardInfo(url=url, name=e["name"], offsets=[int(s["offset"]) for s in samples],
-                                keys=[str(s["key"]) for s in samples], num_bytes=int(e.get("bytes", -1))))
+        offsets, keys = _samples(e)
+        shards.append(ShardInfo(url=url, name=e["name"], offsets=offsets, keys=keys,
+                                num_bytes=max(_int_or(e.get("bytes"), -1), -1), limits=limits))
     return shards
 
 
 def index_shard(url: str) -> ShardInfo:
     """Index a shard without a manifest: one streaming pass recording each sample's offset."""
     offsets, keys = [], []
-    with _open_stream(url, 0) as f, tarfile.open(fileobj=f, mode="r|") as tf:
-        for member in tf:
-            key = split_member(member.name)[0]
-            if not keys or keys[-1] != key:
-                keys.append(key)
-                offsets.append(member.offset)
+    try:
+        with _open_stream(url, 0) as f, tarfile.open(fileobj=f, mode="r|") as tf:
+            for member in tf:
+                key = split_member(member.name)[0]
+                if not keys or keys[-1] != key:
+                    keys.append(key)
+                    offsets.append(member.offset)
+    except (tarfile.TarError, EOFError, ValueError, OverflowError, SampleError) as err:
+        if not keys:
+            raise ValueError(f"'{url}' is not a readable tar shard ({err}); point data.sources at a folder made by "
+                             "`omniloom data build`") from None
+        # a truncated or damaged tail: the samples before it still count; reading the last one says what is wrong
+        warnings.warn(f"shard '{url}' is damaged after {len(keys)} samples ({err}); indexed those", stacklevel=3)
     return ShardInfo(url=url, name=os.path.basename(url), offsets=offsets, keys=keys)
+
+
+_COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"), (b"BZh", "bzip2", "bunzip2"),
+               (b"\xfd7zXZ\x00", "xz", "unxz"))
+
+
+def _check_tar(url: str, source: str) -> None:
+    """Refuse, at start and in one line, a shard given by path that is not an uncompressed tar (a
+    .tar.gz, a text file): samples are read by byte offset, which a compressed stream has not."""
+    fix = "point data.sources at a folder made by `omniloom data build`"
+    if not is_local(url):
+        name = url.split("?")[0].lower()
+        if not url.startswith("pipe:") and name.endswith((".gz", ".tgz", ".zst", ".bz2", ".xz")):
+            raise ValueError(f"source '{source}': '{url}' is a compressed tar; omniloom reads uncompressed tar shards "
+                             f"by byte offset: decompress it, or {fix}")
+        return
+    path = _local_path(url)
+    if os.path.isdir(path):
+        raise ValueError(f"source '{source}': '{url}' is a folder without manifest.json, not a tar shard; {fix}")
+    with open(path, "rb") as f:
+        head = f.read(tarfile.BLOCKSIZE)
+    for magic, kind, tool in _COMPRESSED:
+        if head.startswith(magic):
+            raise ValueError(f"source '{source}': '{url}' is {kind}-compressed; omniloom reads uncompressed tar shards by "
+                             f"byte offset: decompress it ({tool}), or {fix}")
+    try:
+        tarfile.TarInfo.frombuf(head, tarfile.ENCODING, "surrogateescape")
+    except (tarfile.EmptyHeaderError, tarfile.EOFHeaderError):
+        return  # an empty tar: resolve_source says it has zero samples
+    except tarfile.HeaderError as err:
+        raise ValueError(f"source '{source}': '{url}' is not a tar shard ({err}); {fix}") from None
 
 
 def resolve_source(source: SourceConfig) -> ShardSet:
@@ -158,6 +240,8 @@ def resolve_source(source: SourceConfig) -> ShardSet:
             if missing:  # before any "no manifest" warning: the path itself is wrong
                 what = "no such folder or shard file" if len(urls) == 1 else f"{len(missing)} of {len(urls)} shards do not exist, e.g. '{missing[0]}'"
                 raise FileNotFoundError(f"source '{path}': {what}; point data.sources at a folder made by `omniloom data build`")
+            for url in urls:
+                _check_tar(url, path)
             beside = _join(_dirname(urls[0]), "manifest.json")
             if is_local(beside):
                 manifest_url = beside if os.path.exists(beside) else ""
@@ -209,6 +293,28 @@ def _discard(f, count: int) -> None:
         count -= len(chunk)
 
 
+def _members(data: bytes, key: str, limits: ReadLimits, where: str) -> dict[str, bytes]:
+    """The members of sample `key` at the start of `data`, each checked against `limits` from its
+    header before it is read (tarfile would expand a sparse member's holes, or a forged size)."""
+    members: dict[str, bytes] = {}
+    first = True
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+        for member in tf:
+            mkey, suffix = split_member(member.name)
+            if mkey != key:
+                if first:
+                    raise SampleError("manifest_mismatch", f"{where}: the tar holds {mkey!r} at the manifest's offset of "
+                                                           f"{key!r}; run `omniloom data verify` and rebuild the manifest")
+                break  # end-of-archive padding or the next sample: ours is complete
+            first = False
+            refused = member_refusal(member, suffix, limits)
+            if refused is not None:
+                raise SampleError(refused[0], f"{where}: {refused[1]}")
+            if member.isfile():
+                members[suffix] = tf.extractfile(member).read()
+    return members
+
+
 class SampleReader:
     """Reads samples by (shard, index); keeps one stream open so sequential reads cost no seek."""
 
@@ -244,11 +350,15 @@ class SampleReader:
     def read_raw(self, shard_idx: int, sample_idx: int) -> dict[str, bytes]:
         """The sample's members by suffix (`doc.json`, `img0.jpg`, ...). Raises SampleError."""
         shard = self.shards[shard_idx]
-        start = shard.offsets[sample_idx]
-        end = shard.offsets[sample_idx + 1] if sample_idx + 1 < shard.num_samples else shard.num_bytes
+        key = shard.keys[sample_idx]
+        start, end = shard.byte_range(sample_idx)
+        if start < 0 or 0 <= end <= start:
+            where = "no byte offset" if start < 0 else f"byte {start}, past the shard's {end} bytes"
+            raise SampleError("bad_offset", f"{shard.url}: the manifest gives sample {sample_idx} ({key}) {where}; "
+                                            "run `omniloom data verify` and rebuild the manifest")
         try:
             f = self._stream_at(shard.url, start)
-            data = f.read(end - start) if end >= 0 else f.read()
+            data = self._read_range(f, shard, start, end)
         except SampleError:
             self.close()
             raise
@@ -256,22 +366,33 @@ class SampleReader:
             self.close()
             raise SampleError("unreadable_shard", f"{shard.url}: {err}") from err
         self._pos += len(data)
-        if end >= 0 and len(data) < end - start:
+        short = end >= 0 and len(data) < end - start
+        if short:
             self.close()
-            raise SampleError("truncated_shard", f"{shard.url}: sample {sample_idx} cut short")
-        members: dict[str, bytes] = {}
-        key = shard.keys[sample_idx]
         try:
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
-                for member in tf:
-                    mkey, suffix = split_member(member.name)
-                    if mkey != key:
-                        break  # end-of-archive padding or the next sample: ours is complete
-                    if member.isfile():
-                        members[suffix] = tf.extractfile(member).read()
-        except (tarfile.TarError, EOFError) as err:
+            return _members(data, key, shard.limits, f"{shard.url}: sample {sample_idx} ({key})")
+        except (tarfile.TarError, EOFError, ValueError, OverflowError) as err:  # tarfile's pax/sparse parsers raise ValueError
+            if short:  # a shard that ends before the manifest says it does, inside this sample
+                raise SampleError("truncated_shard", f"{shard.url}: sample {sample_idx} ({key}) is cut short: the shard ends at "
+                                                     f"byte {start + len(data)}, the manifest says {end}") from err
             raise SampleError("corrupt_tar", f"{shard.url}: sample {sample_idx} ({key}): {err}") from err
-        return members
+
+    @staticmethod
+    def _read_range(f, shard: ShardInfo, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the stream at `start` (end -1: to its end), never asking for more
+        than exists: a local file is bounded by its size, a remote stream is read in chunks."""
+        want = end - start if end >= 0 else -1
+        if is_local(shard.url):
+            left = max(os.fstat(f.fileno()).st_size - start, 0)
+            return f.read(left if want < 0 else min(want, left))
+        chunks, got = [], 0
+        while want < 0 or got < want:
+            chunk = f.read(READ_CHUNK if want < 0 else min(READ_CHUNK, want - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
 
     def read_document(self, shard_idx: int, sample_idx: int) -> tuple[dict, dict[str, bytes]]:
         """(doc_json, media bytes by ref) for one sample; raises SampleError with a skip reason."""
@@ -283,10 +404,13 @@ class SampleReader:
             doc = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise SampleError("bad_doc_json", f"{self.shards[shard_idx].keys[sample_idx]}: {err}") from err
+        except RecursionError:  # a hostile doc.json of a few KB nested past Python's recursion limit
+            raise SampleError("bad_doc_json", f"{self.shards[shard_idx].keys[sample_idx]}: doc.json is nested too deeply "
+                                              "to parse (no document the build writes is)") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("segments"), list) or not doc["segments"]:
             raise SampleError("bad_doc_json", f"{self.shards[shard_idx].keys[sample_idx]}: no segments list")
         for seg in doc["segments"]:
             ref = seg.get("ref") if isinstance(seg, dict) else None
-            if ref is not None and ref not in members:
+            if ref is not None and (not isinstance(ref, str) or ref not in members):
                 raise SampleError("missing_media", f"{self.shards[shard_idx].keys[sample_idx]}: no member '{ref}'")
         return doc, members

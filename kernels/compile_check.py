@@ -14,7 +14,9 @@ limits.
 
 The ops' outputs are never computed (nothing runs), so the check says nothing about values: the
 parity tests and `make gpu-check` do. It needs the CUDA build of triton (installed with CUDA
-builds of torch on Linux) and TRITON_INTERPRET unset.
+builds of torch on Linux). Under TRITON_INTERPRET=1 (set for the CPU parity tests) `@triton.jit`
+hands back interpreted functions, which never compile, from the moment a kernel module is
+imported: `main` then runs the check in a child process with the variable cleared.
 """
 
 from __future__ import annotations
@@ -268,16 +270,22 @@ TRITON_MODULES = ("triton_norm", "triton_ce", "triton_moe")
 
 
 def all_kernels() -> set[str]:
-    """The name of every @triton.jit function in the Triton backend's modules."""
+    """The name of every @triton.jit function in the Triton backend's modules (JIT functions, or
+    the interpreter's stand-ins when the modules were imported under TRITON_INTERPRET=1)."""
     import importlib
 
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     names = set()
     for mod in TRITON_MODULES:
         m = importlib.import_module(f"{__package__}.{mod}")
-        names |= {v.fn.__name__ for v in vars(m).values() if isinstance(v, JITFunction)}
+        names |= {v.fn.__name__ for v in vars(m).values() if isinstance(v, (JITFunction, InterpretedFunction))}
     return names
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def run_check(arch: int = 90, presets: list[str] | None = None, tokens: int = TOKENS, log=print,
@@ -285,7 +293,7 @@ def run_check(arch: int = 90, presets: list[str] | None = None, tokens: int = TO
     """Compile every kernel the cases (and `extra_cases`, (name, thunk) pairs) reach for
     sm_`arch`. Returns (records, problems); a kernel of the backend that no case reached is a
     problem too."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _interpreting():  # main() runs in a child without it; a caller in-process must unset it first
         raise RuntimeError("unset TRITON_INTERPRET: the interpreter runs kernels instead of compiling them")
     try:
         import triton
@@ -345,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in presets if s not in PRESET_WIDTHS]
     if unknown:
         p.error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESET_WIDTHS)}")
+    if _interpreting():
+        # the kernels would be imported as interpreted functions, which cannot compile: run the
+        # check where TRITON_INTERPRET is cleared, before this process imports any of them
+        print("TRITON_INTERPRET is set (CPU parity runs): compiling in a child process without it", flush=True)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        argv = sys.argv[1:] if argv is None else argv
+        return subprocess.run([sys.executable, "-m", "omniloom.kernels.compile_check", *argv], env=env).returncode
     import triton
 
     print(f"compiling for sm_{args.arch} with triton {triton.__version__} (no GPU, nothing launched)")

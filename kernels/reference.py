@@ -58,7 +58,8 @@ def linear_cross_entropy(
     instead, which saves the recomputing GEMM (0 disables).
 
     The head GEMM runs in `head_dtype` (the autocast dtype inside an autocast region, else the
-    inputs' dtype): under bf16 autocast it is a bf16 GEMM whose logits are read out in fp32, and
+    inputs' dtype): under bf16 autocast it is a bf16 GEMM (`head_logits`: with an fp32 output on
+    CUDA; on CPU its product is rounded to bf16, then upcast), and
     the log-sum-exp, ce and z are computed in fp32 (the "fp32 head" of Chameleon and OLMo; an
     fp32 GEMM over the vocabulary cost a third of an H200 step). Autocast is off inside forward
     and backward, so backward() may also be called inside an autocast region.
@@ -86,7 +87,8 @@ _MM_OUT_DTYPE: bool | None = None  # torch.mm(..., out_dtype=) works here (CUDA,
 def head_logits(h_CD: torch.Tensor, w_VD: torch.Tensor) -> torch.Tensor:
     """h @ w.T with the operands in their own (low-precision) dtype and the result in fp32 at
     least: on CUDA one bf16/fp16 GEMM with an fp32 output (no bf16 rounding of the logits),
-    elsewhere the low-precision product upcast."""
+    elsewhere (CPU, or torch without `mm(out_dtype=)`) the product rounded to the operands'
+    dtype, then upcast: those logits carry bf16 rounding. Kept so on purpose (see README)."""
     global _MM_OUT_DTYPE
     acc = _acc_dtype(h_CD)
     if h_CD.dtype == acc:

@@ -255,17 +255,19 @@ class AttnContext:
 
     B layers: `dense_b` makes them attend as G (the dense warm-up). Their selector statistics
     (model/indexer.py: the indexer's KL loss when an index branch is passed, the coverage of the
-    dense attention) are computed on `sample_blocks` query blocks when the indexer trains (grad
-    enabled) or when `measure` is set, and returned by `attend_stats` to the calling layer, which
-    returns them through its block's outputs: a layer writes nothing into this shared context
+    dense attention) are computed on `sample_blocks` query blocks, over their real tokens
+    (`real_BS`: not the row's padding), when the indexer trains (grad enabled) or when `measure`
+    is set, and returned by `attend_stats` to the calling layer, which returns them through its
+    block's outputs: a layer writes nothing into this shared context
     (inside a checkpointed, compiled block such a store is a side effect dynamo refuses)."""
 
     def __init__(self, info: MaskInfo, backend: str, num_selected_blocks: int, device: torch.device, layout: BatchLayout | None = None,
-                 *, dense_b: bool = False, measure: bool = False, sample_blocks: int = 16):
+                 *, dense_b: bool = False, measure: bool = False, sample_blocks: int = 16, real_BS: torch.Tensor | None = None):
         if backend in ("flex", "flash") and device.type != "cuda":
             raise ValueError(f"attention backend '{backend}' runs on CUDA only; move the model to a GPU or choose blocksparse")
         self.info, self.backend, self.num_selected = info, backend, num_selected_blocks
         self.dense_b, self.measure, self.sample_blocks = dense_b, measure, sample_blocks
+        self.real_BS = real_BS  # [B, S] bool, False at padding: the selector statistics leave it out
         self.block_size = info.block_size
         self.index_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # index RoPE angles (indexer_rope_dim > 0)
         # layer_key -> selector_stats' "target" (small), for eager activation checkpointing only
@@ -330,7 +332,7 @@ class AttnContext:
                 eager = layer_key is not None and not torch.compiler.is_compiling()
                 recompute = eager and torch._C._current_graph_task_id() != -1
                 st = selector_stats(info, q_BHSD, k_BKSD, sel, self.sample_blocks, index,
-                                    cached=self._kl_targets.get(layer_key) if recompute else None)
+                                    cached=self._kl_targets.get(layer_key) if recompute else None, real_BS=self.real_BS)
                 target = st.pop("target", None)
                 if eager and not recompute and target is not None:
                     self._kl_targets[layer_key] = target

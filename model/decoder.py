@@ -179,15 +179,15 @@ class OmniModel(nn.Module):
         cos_BSd, sin_BSd = self.rope(positions)
         info = build_mask_info(doc_ids, block_ids, block_size=cfg.attention.block_size, window=cfg.attention.window)
         att = cfg.attention
+        real_BS = input_ids != cfg.pad_token_id if cfg.pad_token_id >= 0 else None
         ctx = AttnContext(info, att.backend, att.num_selected_blocks, x_BSD.device, layout, dense_b=self.dense_b_layers,
-                          measure=self.measure_attention, sample_blocks=att.indexer_sample_blocks)
+                          measure=self.measure_attention, sample_blocks=att.indexer_sample_blocks, real_BS=real_BS)
         ctx.index_rope = self.index_rope(positions)
         # shared masks and lazy choices made here, not inside a (checkpointed, compiled) block
         ctx.prepare(cfg.layer_kinds())
         for layer in self.layers:
             if layer.is_moe:
                 layer.ffn.prepare(x_BSD)
-        real_BS = input_ids != cfg.pad_token_id if cfg.pad_token_id >= 0 else None
         moe_stats, b_stats = [], []
         for layer in self.layers:
             x_BSD, stats, sel_stats = layer(x_BSD, cos_BSd, sin_BSd, ctx, modality, real_BS)

@@ -17,13 +17,14 @@ from its KL loss, never pushes on the language model.
 
 KL loss (stop-gradient target): for `ns` sampled query blocks, the dense attention this layer
 would compute as a `G` layer (documents, causality, visual blocks) is summed per key block,
-averaged over the block's first-run queries and the group's heads, restricted to the candidate
-blocks (those the selector chooses among) and normalized: t(n). The indexer's distribution is
+averaged over the block's real first-run queries (the ones its choice serves) and the group's
+heads, restricted to the candidate blocks (those the selector chooses among) and normalized: t(n). The indexer's distribution is
 the softmax of its block scores over the same candidates: s(n). Loss: KL(t || s), averaged over
 the sampled (row, block, group) triples that have a candidate.
 
 Coverage: the share of that dense attention mass (all blocks, not only candidates) that the
 blocks a query actually attends hold, averaged over the sampled blocks' real tokens and all heads.
+Real: neither the block padding past S nor the row's padding pseudo-document (`real_BS`).
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def selector_stats(
     num_samples: int,
     index: tuple[torch.Tensor, torch.Tensor] | None = None,
     cached: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    real_BS: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """`coverage` (detached scalar) of a B layer's selection `sel` and, with `index` = the
     indexer's (block-start queries [B, K, Hi, Q, d], keys [B, K, S, d]) carrying gradient, its
@@ -206,7 +208,11 @@ def selector_stats(
 
     The KL's detached target is returned too, as `target` = (coverage, target, weight); passing
     it back as `cached` (activation checkpointing's recomputation of the same layer and batch)
-    skips the dense attention it comes from, the costly part, and rebuilds only the KL's graph."""
+    skips the dense attention it comes from, the costly part, and rebuilds only the KL's graph.
+
+    `real_BS` [B, S] bool marks the tokens that are not padding: the row's trailing padding
+    pseudo-document (a document to the mask rule) is left out of the coverage and the target
+    like the block padding past S; the last block, always sampled, is often all padding."""
     bs, nb = info.block_size, info.num_blocks
     B, H, S, _ = q_BHSD.shape
     K = k_BKSD.shape[1]
@@ -221,6 +227,8 @@ def selector_stats(
     tok = (blk[:, None] * bs + torch.arange(bs, device=dev)).reshape(-1)  # [ns * bs]
     mass = dense_block_mass(info, q_BHSD, k_BKSD, blk)  # [B, H, ns*bs, nb]
     real = (info.doc_BS[:, tok] != PAD_DOC) & (tok < S)  # [B, ns*bs]
+    if real_BS is not None:
+        real = real & F.pad(real_BS, (0, info.padded_len - S), value=False).index_select(1, tok)
     with torch.no_grad():
         chosen = sel.at(tok).repeat_interleave(G, dim=1)  # [B, H, ns*bs, nb]
         held = (mass * chosen).sum(-1)  # [B, H, ns*bs]

@@ -42,7 +42,7 @@ import torch
 
 from .attention import AttnContext
 from .indexer import indexer_block_scores
-from .masks import build_mask_info
+from .masks import build_mask_info, top_blocks
 
 
 @dataclass
@@ -385,7 +385,7 @@ class CachedDecoder:
             scores = indexer_block_scores(rep_q.unsqueeze(3), cache.ik_BKTd[:, :, bs : qb * bs], bs)[:, :, 0]
         else:
             scores = torch.einsum("bkd,bknd->bkn", rep_q, cache.kmean_BKnD[:, :, 1:qb])
-        top = scores.topk(n_pick, dim=-1).indices + 1
+        top = top_blocks(scores, n_pick) + 1  # ties to the later block, as in the full forward
         return torch.cat([base, top], dim=-1)
 
 

@@ -304,6 +304,18 @@ class Selection:
         return forced.unsqueeze(1) | self.hit_BKQn
 
 
+def top_blocks(scores_Xn: torch.Tensor, n_pick: int) -> torch.Tensor:
+    """Indices [..., n_pick] of the `n_pick` best-scoring blocks along the last dim, ties to the
+    later block: the one rule of every B-layer choice (`select_blocks_compact`, hence every
+    attention backend, and the KV cache's `_choose_blocks`). `topk` breaks ties as its kernel
+    happens to, which differs between a top-k over all blocks and over a slice of them, so equal
+    scores (equal tokens, an index without positions) picked other blocks when decoding. A stable
+    descending sort of the reversed scores puts equal scores latest-block first."""
+    n = scores_Xn.shape[-1]
+    order = torch.sort(scores_Xn.flip(-1), dim=-1, descending=True, stable=True).indices[..., :n_pick]
+    return (n - 1) - order
+
+
 @torch.no_grad()
 def select_blocks_compact(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Tensor, num_selected: int,
                           scores_BKQn: torch.Tensor | None = None) -> Selection:
@@ -318,7 +330,7 @@ def select_blocks_compact(info: MaskInfo, q_BHSD: torch.Tensor, k_BKSD: torch.Te
     if scores_BKQn is None:
         scores_BKQn = pooled_block_scores(info, q_BHSD, k_BKSD)
     scores = scores_BKQn.float().masked_fill(~cand_BQn.unsqueeze(1), float("-inf"))
-    top = scores.topk(n_pick, dim=-1).indices
+    top = top_blocks(scores, n_pick)
     hit_BKQn = torch.zeros(B, K, nb, nb, dtype=torch.bool, device=dev).scatter_(-1, top, True) & cand_BQn.unsqueeze(1)
     return Selection(info, hit_BKQn, first_BS, cand_BQn)
 

@@ -31,10 +31,13 @@ def _env() -> dict:
 
 
 def test_every_kernel_compiles_for_hopper_within_its_limits(tmp_path):
+    """Started under TRITON_INTERPRET=1, as a user testing kernels on CPU may have it (issue 27
+    item 19): the check runs itself in a child without it."""
     out = tmp_path / "compile.json"
     proc = budget.run([sys.executable, "-m", "omniloom.kernels.compile_check", "--arch", "90", "--json", str(out)],
-                      env=_env(), cpu_budget_s=600, stall_s=300)
+                      env={**os.environ, "TRITON_INTERPRET": "1"}, cpu_budget_s=600, stall_s=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "compiling in a child process without it" in proc.stdout
     data = json.loads(out.read_text())
     assert data["problems"] == []
     records = data["records"]
@@ -45,6 +48,16 @@ def test_every_kernel_compiles_for_hopper_within_its_limits(tmp_path):
                for r in records if r["kernel"] == "_qk_norm_rope_fwd_kernel")
     # resources were read from each cubin (Triton's own cuobjdump)
     assert all(r["registers"] and r["registers"] <= 255 for r in records)
+
+
+def test_every_kernel_is_listed_when_the_modules_were_imported_under_the_interpreter():
+    """Issue 27 item 19: under TRITON_INTERPRET=1 (a pytest run of the parity tests) the kernels
+    are the interpreter's functions, which all_kernels missed: the test above compared against an
+    empty set."""
+    code = "import json; from omniloom.kernels.compile_check import all_kernels; print(json.dumps(sorted(all_kernels())))"
+    interp = budget.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"}, cpu_budget_s=120, stall_s=120)
+    assert interp.returncode == 0, interp.stderr[-2000:]
+    assert json.loads(interp.stdout) == sorted(all_kernels()) and len(all_kernels()) >= 13
 
 
 _BROKEN = '''

@@ -274,3 +274,52 @@ def test_bench_decode_fills_each_layer_kind_and_counts_the_cache_exactly():
     assert offloaded["device_mb"] * MB == 3 * T * kv + 8 * 128 * kv + 4 * (index_keys + working_set)
     assert offloaded["cache_mb"] == sparse["cache_mb"]
     assert all(r["tok_s"] > 0 for r in rows) and len(format_rows(rows)) == 5
+
+
+@pytest.mark.parametrize("backend,blocks", [("blocksparse", 5), ("blocksparse", 7), ("sdpa", 5)])
+def test_exact_score_ties_pick_the_same_blocks_cached_and_full(tok, backend, blocks):
+    """Issue 27 item 16: pattern BB, an index without positions, and every block holding the same
+    tokens: each candidate block of the first B layer scores exactly the same (the max over equal
+    index keys). The full forward's choice over all blocks and the cache's over blocks 1..qb-1
+    broke those ties differently (torch's topk), so decoding read other blocks than training;
+    one rule (masks.top_blocks: ties to the later block) now decides both. Checked over the
+    prompt's last, started block, whose choice the cache makes from the prefill's index keys (the
+    keys of decoded tokens come from another matmul shape, so ties among them are not exact)."""
+    from omniloom.pretrain.generate import Prompt
+
+    model = tiny_model(tok, backend, pattern="BB", selector="indexer", num_selected=3)
+    assert model.cfg.attention.indexer_rope_dim == 0
+    period = [tok.encode(c)[-1] for c in "abcdefgh"][:BLOCK]  # one block's worth of distinct tokens, repeated
+    assert len(set(period)) == BLOCK
+    S = blocks * BLOCK + 3  # the cache chooses the started block's reads at prefill
+    p = Prompt(input_ids=torch.tensor([[period[i % BLOCK] for i in range(S)]]),
+               positions=torch.arange(S, dtype=torch.int32).view(1, 1, S).expand(1, 3, S).contiguous(),
+               modality=torch.zeros(1, S, dtype=torch.uint8), block_ids=torch.full((1, S), -1, dtype=torch.int32),
+               patches=torch.zeros(0, max(tok.patch_dim, tok.tubelet_dim)), patch_kind=torch.zeros(0, dtype=torch.uint8), grids=[])
+    dec = CachedDecoder(model)
+    logits = dec.prefill(p.input_ids, p.positions, p.modality, p.block_ids, p.patches, p.patch_kind)
+    new = []
+    for i in range(S, (blocks + 1) * BLOCK):
+        torch.testing.assert_close(logits, _full_logits(model, p, new), atol=2e-5, rtol=1e-5)
+        new.append(period[i % BLOCK])
+        logits = dec.step(torch.tensor([new[-1]]))
+
+
+def test_top_blocks_breaks_ties_toward_the_later_block():
+    """One tie-break rule for every selection: the backends' (select_blocks_compact, which flex,
+    blocksparse and the sdpa B masks share) and the cache's."""
+    from omniloom.model.masks import build_mask_info, select_blocks_compact, top_blocks
+
+    s = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, float("-inf")], [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
+    assert top_blocks(s, 2).tolist() == [[4, 2], [5, 4]]
+    assert top_blocks(s, 4).tolist() == [[4, 2, 1, 0], [5, 4, 3, 2]]
+    # the cache scores blocks 1..qb-1 only; the full forward all blocks, the others at -inf
+    tied = torch.tensor([float("-inf"), 0.0, 0.0, 0.0, float("-inf"), float("-inf")])
+    assert (top_blocks(tied[1:4], 2) + 1).tolist() == top_blocks(tied, 2).tolist() == [3, 2]
+    nb, bs = 6, 4
+    info = build_mask_info(torch.zeros(1, nb * bs, dtype=torch.int32), torch.full((1, nb * bs), -1, dtype=torch.int32),
+                           block_size=bs, window=bs)
+    q, k = torch.zeros(1, 2, nb * bs, 8), torch.zeros(1, 1, nb * bs, 8)
+    sel = select_blocks_compact(info, q, k, 3, scores_BKQn=torch.zeros(1, 1, nb, nb))  # every score equal
+    # query block 5: candidates 1..4 (block 0 is the document's first, always kept): the two latest
+    assert sel.hit_BKQn[0, 0, 5].nonzero().flatten().tolist() == [3, 4]

@@ -85,6 +85,27 @@ def test_coverage_is_one_when_every_block_is_selected_and_below_one_otherwise():
     assert 0.2 < cov < 1.0
 
 
+@pytest.mark.parametrize("pad", [40, 37])  # 5 blocks of padding from a block start, and from inside a block
+def test_padding_is_no_query_of_the_kl_target_or_coverage(pad):
+    """Issue 27 item 17: a row's trailing padding is a pseudo-document to the mask rule, but its
+    tokens are no queries of the indexer's KL target or of coverage (as the docstring says). The
+    last block, always sampled, is all padding here; changing only the padding's queries and keys
+    (its positions: all 0 as packed, so its attention is uniform) must leave both as they are."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(cfg_for(num_selected=2, indexer_sample_blocks=6), pad_token_id=3)
+    model = OmniModel(cfg)
+    batch = random_packed_batch(cfg, batch_size=2, seq_len=96, docs_per_row=1, pad=pad, seed=4)
+    assert (batch["input_ids"][:, -pad:] == 3).all() and (batch["input_ids"][:, :-pad] != 3).all()
+    model.measure_attention = True
+    with torch.no_grad():
+        before = model(**batch)
+        batch["positions"][:, :, -pad:] = torch.arange(pad, dtype=batch["positions"].dtype) * 7
+        after = model(**batch)
+    assert float(before.indexer_kl[0]) > 0 and 0 < float(before.block_coverage[0]) < 1
+    torch.testing.assert_close(after.indexer_kl, before.indexer_kl, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(after.block_coverage, before.block_coverage, rtol=1e-6, atol=1e-7)
+
+
 def test_dense_block_mass_in_query_chunks_equals_one_pass(monkeypatch):
     """The KL target and coverage are computed in chunks of query rows (bounded memory at long
     context): a chunk of one row at a time gives what one pass over all rows gives, on a packed

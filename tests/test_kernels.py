@@ -189,6 +189,24 @@ def test_reference_ce_fp16_inputs_give_fp32_losses():
     assert ce.dtype == torch.float32 and z.dtype == torch.float32
 
 
+def test_cpu_head_logits_under_bf16_are_rounded_to_bf16_as_the_readme_says():
+    """Issue 27 item 18: the README called the head's GEMM "fp32-output"; on CPU its bf16 product
+    is rounded to bf16, then upcast (fp32 output only on CUDA). The docs now say so: this holds
+    the code and the sentence together."""
+    from pathlib import Path
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(8, 64, generator=g).bfloat16(), torch.randn(96, 64, generator=g).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dt = reference.head_dtype(h.float(), w.float())
+    logits = reference.head_logits(h.to(dt), w.to(dt))
+    assert dt == torch.bfloat16 and logits.dtype == torch.float32
+    assert torch.equal(logits, logits.bfloat16().float())  # every logit is a bf16 number
+    assert not torch.equal(logits, h.float() @ w.float().t())  # not what an fp32-output GEMM gives
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    assert "fp32-output GEMM" not in readme and "rounded to bf16 and then upcast" in " ".join(readme.split())
+
+
 def test_reference_permute_roundtrip_is_identity_with_unit_weights():
     x = torch.randn(9, 6)
     topk = torch.randint(0, 4, (9, 3))

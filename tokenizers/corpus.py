@@ -70,14 +70,16 @@ def iter_shard_docs(shards: Iterable[Path], stats: Counter | None = None) -> Ite
         with tar:
             try:
                 for member in tar:  # iterating reads headers only; data is read for doc.json alone
-                    if not member.isfile() or not member.name.endswith(".doc.json"):
+                    if not member.name.endswith(".doc.json") or not (member.isfile() or member.issparse()):
                         continue
                     key = member.name.split("/")[-1].split(".", 1)[0]
                     try:
+                        if member.issparse():  # its holes would be expanded to zeros in memory; the build writes none
+                            raise ValueError(f"a sparse member of {member.size} bytes, left unread")
                         doc = json.loads(tar.extractfile(member).read())
                         if not isinstance(doc, dict) or not isinstance(doc.get("segments"), list):
                             raise ValueError("no segments list")
-                    except ValueError as err:
+                    except (ValueError, RecursionError) as err:  # RecursionError: nested too deeply to parse
                         stats["bad_doc_json"] += 1
                         log.warning("skipping %s in %s: %s", member.name, path.name, err)
                         continue
