@@ -56,6 +56,20 @@ def grouped_mm_supported(device: torch.device, in_dim: int, out_dims: tuple[int,
     return device.type == "cpu"
 
 
+def allowed_experts(cfg: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """[M, E] bool: the experts each modality may route to (all, or its group with
+    model.moe.modality_groups). A non-persistent buffer of every MoE layer, rebuilt from the config
+    (not saved in checkpoints); a loader that creates the model on the meta device refills it here."""
+    E = cfg.moe.num_experts
+    allowed_ME = torch.ones(NUM_MODALITIES, E, dtype=torch.bool, device=device)
+    if cfg.moe.modality_groups:
+        n_text = cfg.num_text_experts()
+        experts_E = torch.arange(E, device=device)
+        for m in range(NUM_MODALITIES):
+            allowed_ME[m] = (experts_E >= n_text) if m in VISUAL_MODALITIES else (experts_E < n_text)
+    return allowed_ME
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward
     rejects expanded (stride-0) gradients such as `y.sum().backward()` produces."""
@@ -102,12 +116,7 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(hi - lo, Fdim, D))
         self.shared = SwiGLUMLP(D, Fdim * moe.num_shared_experts, ops) if moe.num_shared_experts else None
         n_text = cfg.num_text_experts()
-        allowed_ME = torch.ones(NUM_MODALITIES, E, dtype=torch.bool)
-        if moe.modality_groups:
-            for m in range(NUM_MODALITIES):
-                visual = m in VISUAL_MODALITIES
-                allowed_ME[m] = (torch.arange(E) >= n_text) if visual else (torch.arange(E) < n_text)
-        self.register_buffer("allowed_ME", allowed_ME, persistent=False)
+        self.register_buffer("allowed_ME", allowed_experts(cfg), persistent=False)
         self.groups = [torch.arange(n_text), torch.arange(n_text, E)] if moe.modality_groups else [torch.arange(E)]
         self.dispatch_mode = moe.dispatch
         if moe.dispatch == "grouped" and (_grouped_mm_fn() is None or D % 8 or Fdim % 8):

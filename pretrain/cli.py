@@ -31,6 +31,7 @@ COMMAND_MODULES = (
     "omniloom.model.cli",
     "omniloom.kernels.cli",
     "omniloom.pretrain.bench_hf",
+    "omniloom.pretrain.bench_hf_generate",
     "omniloom.pretrain.bench_decode",
     "omniloom.pretrain.bench_threads",
 )

@@ -56,6 +56,10 @@ class TrainConfig:
     # every step's graph (idle patch/tubelet projections and experts run as empty GEMMs), so it is
     # off; turn it on for a custom model that leaves parameters out of some steps.
     find_unused_parameters: bool = False
+    # an export folder (`omniloom export`, or a Hugging Face save_pretrained of one) whose weights
+    # start this run: weights only, the optimizer, schedule and data start fresh; ignored when
+    # the run resumes from its own checkpoint (pretrain/init_from.py)
+    init_from: str = ""
 
 
 @dataclass(kw_only=True)

@@ -8,6 +8,10 @@
       tokenizer.json, tokenizer_config.json, special_tokens_map.json
                                        the same tokenizer for Hugging Face's AutoTokenizer
       README.md                        model card: data, steps, tokens, final losses
+      configuration_omniloom.py, modeling_omniloom.py, processing_omniloom.py, model_*.py,
+      kernels_*.py, tokenizers_*.py, generation_config.json, processor_config.json
+                                       Hugging Face remote code: omniloom's own modules, copied
+                                       (pretrain/hf; docs/huggingface.md)
 
 Checkpoints are read without unpickling anything (issue 9): accelerate's `model.safetensors`
 through safetensors; `.bin`/`.pt` files through `torch.load(weights_only=True)` (safe_io); FSDP2
@@ -352,6 +356,7 @@ def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype:
 
     from .cli import version
     from .config_io import to_dict
+    from .hf import files as hf
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -402,6 +407,10 @@ def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype:
                     "max_shard_size": limit},
         "source": source,
     }
+    # Hugging Face: the keys AutoConfig needs, the remote code (omniloom's own modules, copied)
+    # and the generation and processor configs (pretrain/hf, docs/huggingface.md)
+    config.update(hf.config_keys(config["tokenizer"]))
+    hf.write_hf_files(out, config["tokenizer"], version())
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     if card is None:
         card = (f"# omniloom model\n\n{model.num_params() / 1e6:.2f} M parameters, exported from memory "
@@ -482,6 +491,13 @@ def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int,
         "model = load_pretrained('THIS_FOLDER')",
         "```",
         "`omniloom generate THIS_FOLDER --prompt TEXT [--image PATH]`, `omniloom eval THIS_FOLDER --data SHARDS`.",
+        "",
+        "Without omniloom, with Hugging Face transformers (the model's code is in this folder):",
+        "```",
+        "from transformers import AutoModelForCausalLM, AutoProcessor",
+        "model = AutoModelForCausalLM.from_pretrained('THIS_FOLDER', trust_remote_code=True)",
+        "processor = AutoProcessor.from_pretrained('THIS_FOLDER', trust_remote_code=True)",
+        "```",
         "",
     ]
     return "\n".join(lines)

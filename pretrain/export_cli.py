@@ -105,7 +105,10 @@ def register(sub) -> None:
         "model.safetensors (sharded with model.safetensors.index.json above --max-shard-size, metadata in each "
         "header), config.json (model config, tokenizer layout, omniloom version), the tokenizer (tokenizer.model, "
         "omniloom_tokenizer.json, and tokenizer.json / tokenizer_config.json / special_tokens_map.json for Hugging Face's "
-        "AutoTokenizer) and a README model card. A non-empty --out is refused without --force. Nothing is unpickled: .pt files load with weights_only. Load the result with "
+        "AutoTokenizer), Hugging Face remote code (omniloom's own model modules, copied, with configuration_omniloom.py, "
+        "modeling_omniloom.py, processing_omniloom.py, generation_config.json, processor_config.json: "
+        "AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True) runs it without omniloom; see "
+        "docs/huggingface.md) and a README model card. A non-empty --out is refused without --force. Nothing is unpickled: .pt files load with weights_only. Load the result with "
         "omniloom.model.load_pretrained(DIR).",
     )
     p.add_argument("src", metavar="RUN_OR_CHECKPOINT", help="a run folder (its newest complete checkpoint is used) or a checkpoints/step_N folder")

@@ -106,9 +106,9 @@ def forbid_patch_token(logits_BV: torch.Tensor, model) -> torch.Tensor:
 
 
 def _modality_of(token_id: int) -> int:
-    from omniloom.tokenizers.layout import FIRST_BYTE_ID, SPECIAL, TEXT
+    from omniloom.tokenizers.layout import token_modality
 
-    return SPECIAL if token_id < FIRST_BYTE_ID else TEXT
+    return token_modality(token_id)
 
 
 def _full_logits(model, prompt: Prompt, new_ids: list[int]) -> torch.Tensor:

@@ -33,6 +33,7 @@ from omniloom.model.decoder import is_indexer_param
 from . import build as B
 from .checkpoint import CheckpointManager, latest_checkpoint, resolve_resume
 from .config import RunConfig, check_resume_positions, load_config, to_yaml
+from .init_from import check_init_from, load_init_weights
 from .train_args import add_train_args, config_from_args  # noqa: F401 (re-exported)
 from .config_io import to_dict
 from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector
@@ -112,6 +113,7 @@ class Trainer:
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / "checkpoints")
         if resume is not None:
             check_resume_positions(cfg, resume)
+        init_from = check_init_from(cfg.train.init_from)
         configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
                           quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0)
         self.acc = make_accelerator(cfg)
@@ -140,7 +142,11 @@ class Trainer:
             model = build_model(cfg, expert_range=held)
             log.info("built only experts [%d, %d) of %d per MoE layer on this rank", *held, cfg.model.moe.num_experts)
         else:
-            model = build_model(cfg)
+            model, held = build_model(cfg), None
+        if init_from is not None and resume is None:
+            load_init_weights(model, init_from, cfg, expert_range=held)
+        elif init_from is not None:
+            log.info("train.init_from=%s ignored: resuming from %s", init_from, resume)
         self.flops_per_token = B.model_flops_per_token(model, cfg.data.seq_len)
         kinds = model.cfg.layer_kinds() if hasattr(getattr(model, "cfg", None), "layer_kinds") else []
         self.b_layers = [i for i, kind in enumerate(kinds) if kind == "B"]  # B-layer statistics are logged per layer

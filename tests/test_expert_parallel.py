@@ -3,6 +3,7 @@ step (loss, every gradient, router-bias update) against a 1-process model on the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -18,6 +19,9 @@ from omniloom.model.config import ModelConfig, MoEConfig
 from omniloom.pretrain.expert_parallel import check_expert_parallel, expert_group_ranks, parallelize_experts
 
 WORKER = Path(__file__).with_name("ep_parity_worker.py")
+_spec = importlib.util.spec_from_file_location("hf_check", Path(__file__).with_name("hf_check.py"))
+hf_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf_check)
 
 
 def _env():
@@ -315,6 +319,8 @@ def test_ep_training_matches_data_parallel_resumes_across_ep_degrees_and_exports
     cfg_dp = json.loads((tmp_path / "export_dp" / "config.json").read_text())
     assert cfg_ep["model"] == cfg_dp["model"] and cfg_ep["model"]["moe"]["expert_parallel"] == 1
     assert cfg_ep["num_params"] == cfg_dp["num_params"]
+    # and Hugging Face loads it as it loads any export (issue 26)
+    hf_check.assert_hf_logits_match(tmp_path / "export_ep", tmp_path / "hf_ep")
 
 
 @pytest.mark.slow
@@ -394,6 +400,7 @@ def test_fsdp2_ep_training_matches_data_parallel_resumes_with_ep1_and_exports(tm
     for k in a:
         assert torch.equal(a[k], full[k]), k
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    hf_check.assert_hf_logits_match(tmp_path / "export_fsdp", tmp_path / "hf_fsdp")  # issue 26
 
 
 @pytest.mark.slow

@@ -101,9 +101,11 @@ def test_export_then_load_gives_bit_identical_logits(tmp_path, tok_dir):
     run, model = make_run(tmp_path / "run", tok_dir)
     out = tmp_path / "export"
     assert main(["-qq", "export", str(run), "--out", str(out)]) == 0
+    from omniloom.pretrain.hf.files import hf_file_names
+
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["README.md", "config.json", "model.safetensors", "omniloom_tokenizer.json", "special_tokens_map.json",
-                     "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+    assert names == sorted(["README.md", "config.json", "model.safetensors", "omniloom_tokenizer.json", "special_tokens_map.json",
+                            "tokenizer.json", "tokenizer.model", "tokenizer_config.json", *hf_file_names()])
     loaded = load_pretrained(out)
     assert torch.equal(logits_of(loaded, loaded.cfg), logits_of(model, model.cfg))
     cfg = json.loads((out / "config.json").read_text())

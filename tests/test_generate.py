@@ -139,6 +139,19 @@ def test_generation_stops_at_eos_and_checks_arguments(tok, image_prompt):
         generate(model, image_prompt, temperature=-1)
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_model_that_prefers_patch_never_generates_it(tok, image_prompt, use_cache):
+    """<|patch|> stands for pixels that generation cannot give: a model whose most likely next
+    token is <|patch|> (a barely trained one) crashed `omniloom generate` on the embedding's
+    patch-count check; the token is now never chosen, greedy or sampled."""
+    model = tiny_model(tok)
+    with torch.no_grad():
+        model.head.weight[tok.patch_id] = model.norm.detach().sign() * 5.0  # the argmax everywhere
+    for temperature in (0.0, 1.0):
+        res = generate(model, image_prompt, max_new_tokens=6, eos_id=-1, temperature=temperature, use_cache=use_cache)
+        assert len(res.ids) == 6 and tok.patch_id not in res.ids
+
+
 def test_generate_cli_on_an_export(tok, tmp_path, capsys):
     from omniloom.pretrain.cli import main
     from omniloom.pretrain.export import save_export

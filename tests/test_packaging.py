@@ -58,5 +58,7 @@ def test_wheel_top_level_is_only_omniloom(tmp_path):
     tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
     assert tops == {"omniloom"}, tops
     assert "omniloom/tokenizers/__init__.py" in names
+    # the Hugging Face wrappers an export copies (package data, issue 26)
+    assert {"omniloom/pretrain/hf/remote/modeling_omniloom.py", "omniloom/pretrain/hf/remote/kernels_ops.py"} <= set(names)
     assert "omniloom/configs/tiny.yaml" in names
     assert any(n.startswith("omniloom/configs/accelerate/") for n in names)

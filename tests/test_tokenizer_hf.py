@@ -128,7 +128,8 @@ def test_export_folder_loads_in_autotokenizer(tok_dir, tmp_path):
     tok = Tokenizer.load(tok_dir)
     out = tmp_path / "export"
     _tiny_export(tok_dir, out)
-    hf = transformers.AutoTokenizer.from_pretrained(str(out))  # was: KeyError 'added_tokens'
+    # the export's config.json names its remote code (issue 26), which AutoTokenizer reads too
+    hf = transformers.AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)  # was: KeyError 'added_tokens'
     _assert_same_ids(hf, tok, _sample_strings(seed=1, n=30))
     assert (out / "tokenizer.model").read_bytes() == (tok_dir / "tokenizer.model").read_bytes()
     assert json.loads((out / "omniloom_tokenizer.json").read_text())["format"] == "omniloom-tokenizer"
@@ -149,7 +150,7 @@ def test_python_started_in_the_checkout_root_gets_the_real_tokenizers_and_loads_
     text = "Hello world. café 🎉\n" + CODE
     script = ("import json, sys, tokenizers\n"
               "from transformers import AutoTokenizer\n"
-              "ids = AutoTokenizer.from_pretrained(sys.argv[1])(sys.argv[2])['input_ids']\n"
+              "ids = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)(sys.argv[2])['input_ids']\n"
               "try:\n    import kernels\nexcept ModuleNotFoundError as err:\n    kern = str(err)\n"
               "else:\n    kern = kernels.__file__\n"
               "print(json.dumps({'file': tokenizers.__file__, 'ids': ids, 'kernels': kern}))\n")

@@ -88,20 +88,36 @@ def _to_rgb(img, background: tuple[int, int, int]):
     return img.convert("RGB")  # L, 1, CMYK, YCbCr, LAB, HSV
 
 
-def decode_image(data: bytes, settings: MediaSettings, budget: int | None = None) -> np.ndarray:
-    """Image bytes to a uint8 [H, W, 3] array: EXIF orientation applied, any mode made RGB,
-    resized (bicubic, keeping the aspect ratio) to the patch grid `fit_grid` gives for `budget`
-    (default settings.image_patch_budget). Raises MediaError for anything undecodable."""
-    from PIL import Image, UnidentifiedImageError
+def open_image(data):
+    """A PIL image from encoded bytes, a PIL image (a copy of its decoded pixels: the caller's
+    object is left alone, and a JPEG is not draft-decoded as its bytes would be) or a uint8
+    [H, W, 3] (or [H, W]) array of pixels."""
+    from PIL import Image
 
+    if isinstance(data, Image.Image):
+        return data.copy()
+    if isinstance(data, np.ndarray):
+        if data.dtype != np.uint8 or data.ndim not in (2, 3) or (data.ndim == 3 and data.shape[2] not in (3, 4)):
+            raise MediaError("undecodable", f"image pixels must be uint8 [H, W, 3], got {data.dtype} {list(data.shape)}")
+        return Image.fromarray(data)
     if not data:
         raise MediaError("empty", "image has zero bytes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # decode_image applies its own limit
+        return Image.open(io.BytesIO(data))
+
+
+def decode_image(data, settings: MediaSettings, budget: int | None = None) -> np.ndarray:
+    """Image bytes (or a PIL image, or uint8 pixels: `open_image`) to a uint8 [H, W, 3] array:
+    EXIF orientation applied, any mode made RGB, resized (bicubic, keeping the aspect ratio) to the
+    patch grid `fit_grid` gives for `budget` (default settings.image_patch_budget). Raises
+    MediaError for anything undecodable."""
+    from PIL import Image, UnidentifiedImageError
+
     p = settings.patch_size
     budget = settings.image_patch_budget if budget is None else budget
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # we apply our own limit below
-            img = Image.open(io.BytesIO(data))
+        img = open_image(data)
         width, height = img.size
         if width * height > settings.max_image_pixels:
             raise MediaError("too_large", f"image is {width}x{height}, over max_image_pixels={settings.max_image_pixels}")
@@ -177,8 +193,9 @@ def patches_to_frames(patches_ND: np.ndarray, grid: tuple[int, int, int], settin
     return np.clip(np.rint(x), 0, 255).astype(np.uint8)
 
 
-def image_to_patches(data: bytes, settings: MediaSettings) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Image bytes to patch vectors [N, 3*p*p] (N <= image_patch_budget) and grid (1, h, w)."""
+def image_to_patches(data, settings: MediaSettings) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """Image bytes (or a PIL image or uint8 pixels, see `open_image`) to patch vectors [N, 3*p*p]
+    (N <= image_patch_budget) and grid (1, h, w)."""
     pixels_HW3 = decode_image(data, settings)
     return frames_to_patches(pixels_HW3[None], settings, 1)
 

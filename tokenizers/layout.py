@@ -72,6 +72,18 @@ PATCH_ID = SPECIAL_IDS["patch"]
 CODE_ID, CODE_END_ID = SPECIAL_IDS["code"], SPECIAL_IDS["/code"]
 
 
+def token_modality(token_ids):
+    """The modality of tokens that are not inside a visual block, from their ids alone: SPECIAL
+    for the fixed low ids (bos, eos, pad, the tags), TEXT for everything else (byte pieces and
+    learned pieces). An int gives an int; an array or tensor of ids, one of modalities. What
+    generation gives the tokens it appends, where no document structure is known; a tokenized
+    document marks code segments CODE (unified.tokenize_document), which routes the MoE like TEXT."""
+    special = token_ids < FIRST_BYTE_ID
+    if isinstance(special, bool):
+        return SPECIAL if special else TEXT
+    return TEXT + special * (SPECIAL - TEXT)
+
+
 def validate_tokenized_doc(doc: TokenizedDoc, patch_dim: int | None = None, tubelet_dim: int | None = None) -> None:
     """Check the layout invariants of one TokenizedDoc; raises AssertionError naming the broken one.
 

@@ -85,8 +85,10 @@ class _Builder:
 _ONE = {i: np.array([i], dtype=np.int64) for i in range(layout.FIRST_BYTE_ID)}
 
 
-def tokenize_document(doc: dict, media: dict[str, bytes] | None, tokenizer: Tokenizer | None = None, *, key: str | None = None, media_errors: str = "raise") -> TokenizedDoc:
+def tokenize_document(doc: dict, media: dict | None, tokenizer: Tokenizer | None = None, *, key: str | None = None, media_errors: str = "raise") -> TokenizedDoc:
     """A parsed doc.json (`{"segments": [...], ...}`) and its media (ref -> bytes) as a TokenizedDoc.
+    A media value may also be decoded already: an image as a PIL image or uint8 pixels
+    (image.open_image), a video as frames sampled at the video rate (video.sampled_frames).
 
     Text segments become TEXT ids, code segments `<|code|> lang\\n code <|/code|>` with CODE ids,
     images and videos visual blocks with their patches. `tokenize_document(doc, tokenizer)` works

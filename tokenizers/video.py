@@ -309,9 +309,39 @@ def _finish(sampler: _Sampler, info: VideoInfo) -> tuple[np.ndarray, VideoInfo]:
     return np.stack(sampler.frames), info
 
 
-def video_to_tubelets(data: bytes, settings: MediaSettings) -> tuple[np.ndarray, tuple[int, int, int], VideoInfo]:
-    """Video bytes to tubelet vectors [N, 3*tp*p*p], grid (T, h, w) and the decode VideoInfo."""
-    frames_FHW3, info = decode_video(data, settings)
+def sampled_frames(frames, settings: MediaSettings) -> tuple[np.ndarray, VideoInfo]:
+    """Frames already sampled at the video rate (uint8 [F, H, W, 3], or a list of uint8 arrays or
+    PIL images of one size) as decode_video returns them: the first video_frame_budget frames,
+    each resized by FFmpeg's area scaler (as decoded frames are) to the patch grid for
+    video_patch_budget."""
+    import av
+    from av.video.reformatter import VideoReformatter
+
+    arrays = [np.asarray(f.convert("RGB")) if hasattr(f, "convert") else np.asarray(f)
+              for f in list(frames)[: settings.video_frame_budget]]
+    if not arrays:
+        raise MediaError("no_frames", "the video has no frames")
+    H, W = arrays[0].shape[:2]
+    for a in arrays:
+        if a.dtype != np.uint8 or a.shape != (H, W, 3):
+            raise MediaError("undecodable", f"video frames must all be uint8 [{H}, {W}, 3], got {a.dtype} {list(a.shape)}")
+    p = settings.patch_size
+    gh, gw = fit_grid(H, W, p, settings.video_patch_budget)
+    reformatter = VideoReformatter()
+    out = [reformatter.reformat(av.VideoFrame.from_ndarray(np.ascontiguousarray(a), format="rgb24"), width=gw * p,
+                                height=gh * p, format="rgb24", interpolation="AREA").to_ndarray() for a in arrays]
+    info = VideoInfo(timestamps=[k / settings.video_fps for k in range(len(out))], frames_decoded=len(out),
+                     source_size=(W, H))
+    return np.stack(out), info
+
+
+def video_to_tubelets(data, settings: MediaSettings) -> tuple[np.ndarray, tuple[int, int, int], VideoInfo]:
+    """Video bytes (or frames already sampled at the video rate: `sampled_frames`) to tubelet
+    vectors [N, 3*tp*p*p], grid (T, h, w) and the decode VideoInfo."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        frames_FHW3, info = decode_video(bytes(data), settings)
+    else:
+        frames_FHW3, info = sampled_frames(data, settings)
     patches_ND, grid = frames_to_patches(frames_FHW3, settings, settings.temporal_patch_size)
     return patches_ND, grid, info
 
