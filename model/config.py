@@ -116,10 +116,11 @@ class ModelConfig:
     pad_token_id: int = -1
     rope_base: float = 10000.0
     rope_sections: tuple[int, int, int] = (16, 24, 24)  # head-dim split (t, h, w); sums to head_dim
-    # which rotary frequencies follow which axis (model/embeddings.py rope_axes): "sections" gives
-    # columns only the slowest (models trained before 2026-12 use it: a saved config without the
-    # key means "sections"); "interleaved" spreads every axis over the whole range
-    rope_layout: Literal["sections", "interleaved"] = "sections"
+    # which rotary frequencies follow which axis (model/embeddings.py rope_axes, docs/positions.md):
+    # "interleaved" spreads every axis over the whole range, so rows, columns and time all turn
+    # fast enough to tell neighbours apart; "sections" gives columns only the slowest (models
+    # trained before 2026-12 use it: a saved config without the key means "sections")
+    rope_layout: Literal["sections", "interleaved"] = "interleaved"
     # > 0: learned absolute (time, row, column) embeddings added to patch embeddings, this many
     # entries per axis (NaViT / AIMv2 style); 0: position through the rotary embedding alone
     visual_pos_max: int = 0
