@@ -183,6 +183,11 @@ def _summary(out: Path, timings: dict) -> None:
                   + ", ".join(f"{k} {v:.1%} of {docs.get(k)}" for k, v in cap["exact"].items()))
             for kind, rows in (cap.get("attributes") or {}).items():
                 print(f"    {kind}: " + ", ".join(f"{a} {r['accuracy']:.0%} (majority {r['majority']:.0%})" for a, r in rows.items()))
+            probes = [(name, attr, p) for name, p in (cap.get("probes") or {}).items()
+                      for attr in ("column", "row", "direction") if f"{attr}_changed" in p]
+            if probes:
+                print("    probes: " + ", ".join(f"{name} changes the {attr} word in {p[attr + '_changed']:.0%}"
+                                              for name, attr, p in probes))
     metrics = out / "run" / "metrics.jsonl"
     if metrics.exists():
         from .metrics import read_metrics

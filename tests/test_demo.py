@@ -145,3 +145,20 @@ def test_a_stage_that_exits_0_before_its_end_stops_the_demo(tmp_path, capsys, mo
     monkeypatch.setattr(demo, "demo_stages", lambda out, **kw: stages)
     assert demo.run_demo(tmp_path / "out", steps=1, processes=1, overrides=[], fresh=False) == 130
     assert "train stopped before its end (never is not there)" in capsys.readouterr().err
+
+
+def test_the_demo_asks_for_captions_and_prints_them_beside_the_gap(tmp_path, capsys):
+    from omniloom.pretrain.demo import _summary
+
+    stages = {s.name: s for s in demo_stages(tmp_path, steps=7, processes=2, overrides=[])}
+    assert "--captions" in stages["eval"].argv
+    (tmp_path / "eval.json").write_text(json.dumps({
+        "cross_modal_gap": {"image": 1.6, "video": 1.5},
+        "captions": {"docs": {"image": 200, "video": 100}, "exact": {"image": 0.925, "video": 0.71},
+                     "attributes": {"image": {"shape": {"accuracy": 0.955, "majority": 0.35, "majority_value": "circle"}}},
+                     "probes": {"mirror": {"docs": 200, "changed": 0.8, "column_docs": 142, "column_changed": 0.99,
+                                           "column_transformed": 0.97}}}}))
+    _summary(tmp_path, {})
+    out = capsys.readouterr().out
+    assert "exact captions from the pixels alone (greedy, held-out): image 92.5% of 200, video 71.0% of 100" in out
+    assert "image: shape 96% (majority 35%)" in out and "mirror changes the column word in 99%" in out
