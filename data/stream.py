@@ -476,9 +476,17 @@ class StreamLoader:
         Same layout (world_size x workers): exact resume from this rank's state. Another layout:
         the states of every saved rank are pooled and redistributed (data/elastic.py), which needs
         the whole list (or the one state of a 1-process run). Another data config: ValueError."""
-        states = [self._upgrade(st) for st in ([state] if isinstance(state, dict) else list(state))]
+        from .state_check import check_loader_state, check_shape
+
+        states = [state] if isinstance(state, dict) else list(state)
         if not states:
             raise ValueError("no data-loader state given")
+        names = [f"data state of rank {st.get('rank')}" if isinstance(st, dict) else "data state" for st in states]
+        for st, who in zip(states, names):
+            check_shape(st, who)  # an edited or damaged state: one line naming the field, not a traceback later
+        states = [self._upgrade(st) for st in states]
+        for st, who in zip(states, names):
+            check_loader_state(st, who)
         old, new = states[0]["fingerprint"], self._fingerprint()
         layout = ("world_size", "num_workers")
         diff = [k for k in new if k not in layout and json_safe(old.get(k)) != json_safe(new[k])]

@@ -11,10 +11,15 @@ Layout of `run_dir/checkpoints/`:
         COMPLETE                        written last, after every rank has finished its files
     .tmp-step_00000200/                 being written, or left behind by a killed run: never read
 
-Every rank writes its own files into the temporary folder; after a barrier, rank 0 writes
-`COMPLETE` (with the file list), fsyncs and renames the folder into place. A rename within one
-directory is atomic on POSIX filesystems, so a reader sees either nothing or the whole checkpoint.
-The run folder must be on a filesystem every rank shares (the usual setup for multi-node runs).
+Every rank writes its own files into the temporary folder, hashing them as they are written
+(pretrain/integrity.py); after the ranks agree that every write succeeded, rank 0 writes
+`COMPLETE` (the file list, their sha256, step and world size), fsyncs and renames the folder
+into place. A rename within one directory is atomic on POSIX filesystems, so a reader sees either
+nothing or the whole checkpoint. A failed write (a full disk) removes the temporary folder and
+leaves the checkpoints before it as they were. Before a checkpoint is read, its files are hashed
+again and compared with the record. The run folder must be on a filesystem every rank shares (the
+usual setup for multi-node runs); a `step_N` (or a file in it) that links out of the run folder is
+never read, and never deleted through the link.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+from . import integrity
+from .checkpoint_fit import ShapeMismatch, shape_mismatch
+from .integrity import ChecksumMismatch, DiskFullError
 from .safe_io import honour_umask
 
 log = logging.getLogger(__name__)
@@ -69,6 +77,9 @@ def incomplete_reason(path: str | Path) -> str | None:
     path = Path(path)
     if not _STEP_RE.match(path.name):
         return "its name is not step_N"
+    outside = link_out_of_run(path)
+    if outside is not None:
+        return outside
     if not path.is_dir():
         return "it is not a folder"
     marker = path / MARKER
@@ -84,6 +95,34 @@ def incomplete_reason(path: str | Path) -> str | None:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         return f"{missing[0]}{more} listed in its {MARKER} marker is missing (copied or truncated by hand?)"
     return None
+
+
+def link_out_of_run(path: str | Path) -> str | None:
+    """Why checkpoint folder `path` must not be read when it, or anything in it, is a symbolic link
+    leading out of its run folder (`path/../..`); None when it stays inside. A checkpoint linked
+    in from elsewhere would be followed on resume and could be another run's, or anyone's."""
+    path = Path(path)
+    root = path.parent.parent.resolve()
+    if path.is_symlink():
+        target = path.resolve()
+        if not target.is_relative_to(root):
+            return f"it is a link to {target}, outside the run folder {root}"
+    if not path.is_dir():
+        return None
+    for folder, dirs, files in os.walk(path):  # does not follow links into folders
+        for name in dirs + files:
+            p = Path(folder) / name
+            if p.is_symlink() and not p.resolve().is_relative_to(root):
+                return f"{p.relative_to(path)} in it links to {p.resolve()}, outside the run folder {root}"
+    return None
+
+
+def remove_path(path: Path) -> None:
+    """Delete a checkpoint folder; a link is removed itself, never what it points to."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def is_complete(path: str | Path) -> bool:
@@ -130,7 +169,7 @@ def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
 
 def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
     """`""` -> None (fresh start); `"auto"` -> newest complete checkpoint or None;
-    a path -> that checkpoint, which must be complete."""
+    a path -> that checkpoint, which must be complete (and not linked in from elsewhere)."""
     if not resume:
         return None
     if resume == "auto":
@@ -148,6 +187,10 @@ def resolve_resume(resume: str, ckpt_dir: str | Path) -> Path | None:
     if not path.exists():
         raise FileNotFoundError(f"checkpoint.resume={resume}: no such folder; use 'auto' or a step_N folder "
                                 f"under {ckpt_dir}")
+    linked = link_out_of_run(path) if _STEP_RE.match(path.name) else None
+    if linked is not None:
+        raise ValueError(f"refusing to resume from {path}: {linked}; copy the checkpoint into the run folder "
+                         "instead of linking it, or resume from another one")
     reason = incomplete_reason(path)
     if reason is not None:
         raise ValueError(f"checkpoint {path} is incomplete ({reason}); pick an earlier one or use checkpoint.resume=auto")
@@ -180,54 +223,168 @@ class CheckpointManager:
     def _remove_stale_tmp(self) -> None:
         for p in self.dir.glob(TMP_PREFIX + "*"):
             log.warning("removing incomplete checkpoint folder %s (a run was cut off while writing it)", p)
-            shutil.rmtree(p, ignore_errors=True)
+            try:
+                remove_path(p)
+            except OSError:
+                shutil.rmtree(p, ignore_errors=True)
 
     def save(self, step: int, *, trainer_state: dict, data_state: dict | None, config_yaml: str) -> Path:
-        """Write checkpoint `step` (collective). Returns the final folder."""
+        """Write checkpoint `step` (collective). Returns the final folder.
+
+        Every file is hashed as it is written; the digests go into COMPLETE. When a rank's write
+        fails, every rank learns it before anything is renamed: the temporary folder is removed and
+        all raise the same error (DiskFullError, one line, when the disk or quota is full), and the
+        checkpoints saved before stay as they were."""
         t0 = time.perf_counter()
         name = checkpoint_name(step)
         final = self.dir / name
         tmp = self.dir / (TMP_PREFIX + name)
         rank = self.acc.process_index
         if self.acc.is_main_process:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            remove_path(tmp)
             tmp.mkdir(parents=True)
         self.acc.wait_for_everyone()
-        # accelerate writes model + optimizer (rank 0, or shards under FSDP) and every rank's RNG.
-        self.acc.save_state(str(tmp / "accelerate"))
-        torch.save(data_state, tmp / f"data_rank{rank:05d}.pt")
+        digests = integrity.Digests(tmp)
+        failure = None
+        try:
+            with integrity.hashing_saves(digests):
+                # accelerate writes model + optimizer (rank 0, or shards under FSDP) and every rank's RNG.
+                self.acc.save_state(str(tmp / "accelerate"))
+                torch.save(data_state, tmp / f"data_rank{rank:05d}.pt")
+                if self.acc.is_main_process:
+                    torch.save(trainer_state, tmp / "trainer.pt")
+                    digests.write_bytes(tmp / "config.yaml", config_yaml.encode("utf-8"))
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it before the rename
+            failure = err
+        self._agree_on_save(tmp, digests, failure)
+        failed, cause = None, None
         if self.acc.is_main_process:
-            torch.save(trainer_state, tmp / "trainer.pt")
-            (tmp / "config.yaml").write_text(config_yaml)
-        self.acc.wait_for_everyone()
+            try:
+                final = self._publish(step, tmp, final, digests)
+                log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
+            except Exception as err:  # noqa: BLE001 - a full disk while writing COMPLETE
+                failed, cause = (rank, _describe_error(err, tmp), integrity.is_disk_full(err) or _nearly_full(tmp)), err
+        if self.acc.num_processes > 1:  # rank 0's outcome, to every rank (and the barrier after the rename)
+            from accelerate.utils import broadcast_object_list
+
+            failed = broadcast_object_list([failed])[0]
+        if failed is not None:
+            self._raise_save_failure(tmp, [failed], cause)
+        return final
+
+    def _agree_on_save(self, tmp: Path, digests: "integrity.Digests", failure: BaseException | None) -> None:
+        """Share each rank's outcome and digests; raise on every rank when any rank failed."""
+        mine = None if failure is None else (self.acc.process_index, _describe_error(failure, tmp),
+                                             integrity.is_disk_full(failure) or _nearly_full(tmp))
+        if self.acc.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            shared = gather_object([(mine, digests.by_path)])
+            failures = [f for f, _ in shared if f is not None]
+            for _, by_path in shared:
+                digests.by_path.update(by_path)
+        else:
+            failures = [mine] if mine is not None else []
+        if failures:
+            self._raise_save_failure(tmp, failures, failure)
+
+    def _raise_save_failure(self, tmp: Path, failures: list, cause: BaseException | None):
         if self.acc.is_main_process:
-            files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-            honour_umask(tmp / f for f in files)  # safetensors leaves model.safetensors at 0600
-            expected = {f"data_rank{r:05d}.pt" for r in range(self.acc.num_processes)}
-            assert expected <= set(files), f"missing data state files: {expected - set(files)}"
-            marker = tmp / MARKER
-            with open(marker, "w") as fh:
-                json.dump({"step": step, "files": files, "world_size": self.acc.num_processes,
-                           "time": time.time()}, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-            if final.exists():  # re-saving the same step (e.g. SIGTERM right after a periodic save)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)
-            self._prune(step)
-            log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
-        self.acc.wait_for_everyone()
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what the cut-off write took
+        last = latest_checkpoint(self.dir)
+        intact = (f"the last complete checkpoint, {last.name}, is intact" if last is not None
+                  else "no complete checkpoint was saved before it")
+        rank, what, full = next((f for f in failures if f[2]), failures[0])
+        if full:
+            free = _free_bytes(self.dir)
+            raise DiskFullError(
+                f"disk full while saving checkpoint {tmp.name[len(TMP_PREFIX):]} into {self.dir}"
+                + (f" ({_human(free)} free there)" if free is not None else "")
+                + f"; {intact}. Free some space (or lower checkpoint.keep_last), then resume with --resume auto") from cause
+        raise RuntimeError(f"saving checkpoint {tmp.name[len(TMP_PREFIX):]} into {self.dir} failed on rank {rank}: "
+                           f"{what}; {intact}") from cause
+
+    def _publish(self, step: int, tmp: Path, final: Path, digests: "integrity.Digests") -> Path:
+        """Rank 0, after every rank wrote its files: hash what was not hashed while written, write
+        COMPLETE, rename the folder into place, prune."""
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        honour_umask(tmp / f for f in files)  # safetensors leaves model.safetensors at 0600
+        expected = {f"data_rank{r:05d}.pt" for r in range(self.acc.num_processes)}
+        assert expected <= set(files), f"missing data state files: {expected - set(files)}"
+        late = [f for f in files if f not in digests.by_path]  # e.g. FSDP2's DCP shards
+        if late:
+            log.debug("hashing %d file(s) written without a hashing writer: %s", len(late), late[:4])
+        sums = {f: digests.by_path[f] for f in files if f in digests.by_path}
+        sums.update(integrity.hash_files(tmp, late))
+        marker = tmp / MARKER
+        with open(marker, "w") as fh:
+            json.dump({"step": step, "files": files, "world_size": self.acc.num_processes, "time": time.time(),
+                       integrity.ALGORITHM: sums}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        remove_path(final)  # re-saving the same step (e.g. SIGTERM right after a periodic save); a link: only the link
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        self._prune(step)
         return final
 
     def _prune(self, saved_step: int) -> None:
         # Only checkpoints up to the one just saved count: a fresh run in a folder that holds a
         # longer earlier run's checkpoints must not delete its own newest save for being "oldest".
-        found = [p for p in list_checkpoints(self.dir) if step_of(p) <= saved_step]
+        # A step_N that links out of the run folder counts as a checkpoint here: the link goes
+        # (never what it points to), so keep_last holds.
+        found = [p for p in self.dir.iterdir() if _STEP_RE.match(p.name) and step_of(p) <= saved_step
+                 and (is_complete(p) or p.is_symlink())]
+        found.sort(key=step_of)
         for old in found[: max(0, len(found) - self.keep_last)]:
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                remove_path(old)
+            except OSError as err:
+                log.warning("keep_last: could not delete %s (%s)", old, err)
+
+    def first_verified(self, path: Path, *, auto: bool) -> Path:
+        """`path` once its files match the checksums recorded at save (collective). With `auto`
+        (checkpoint.resume=auto), a damaged `path` gives way, with a warning, to the next older
+        complete checkpoint that matches; a checkpoint given by name that does not match is
+        refused."""
+        candidates = [Path(path)]
+        if auto:
+            candidates += [p for p in reversed(list_checkpoints(self.dir)) if step_of(p) < step_of(path)]
+        for i, candidate in enumerate(candidates):
+            try:
+                self.verify(candidate)
+                return candidate
+            except ChecksumMismatch as err:
+                if i + 1 == len(candidates):
+                    if i == 0:
+                        raise
+                    raise ChecksumMismatch(f"checkpoint.resume=auto: no checkpoint in {self.dir} matches its checksums; "
+                                           f"the oldest: {err}", err.files) from err
+                if self.acc.is_main_process:
+                    log.warning("checkpoint.resume=auto: %s; resuming from the previous complete checkpoint, %s, "
+                                "instead", err, candidates[i + 1].name)
+        raise AssertionError("unreachable")
+
+    def verify(self, path: str | Path) -> None:
+        """Check every file of checkpoint `path` against the sha256 in its COMPLETE marker (collective:
+        each rank hashes a share of the files). Raises ChecksumMismatch naming the files that
+        differ; a checkpoint from before checksums is let through with a warning."""
+        path = Path(path)
+        recorded = read_checksums(path)
+        if recorded is None:
+            if self.acc.is_main_process:
+                log.warning("%s was saved by an older omniloom without checksums: its files cannot be verified", path)
+            return
+        files = sorted(recorded)
+        rank, world = self.acc.process_index, self.acc.num_processes
+        bad = integrity.mismatches(path, recorded, only=files[rank::world])
+        if world > 1:
+            from accelerate.utils import gather_object
+
+            bad = sorted(f for part in gather_object([bad]) for f in part)
+        if bad:
+            raise mismatch_error(path, bad)
 
     def load(self, path: str | Path, *, note: str = "") -> tuple[dict, list]:
         """Restore model/optimizer/RNG into the prepared objects; return (trainer_state, the data
@@ -243,7 +400,6 @@ class CheckpointManager:
         path = Path(path)
         info = json.loads((path / MARKER).read_text())
         saved_world = info.get("world_size")
-        same_world = saved_world == self.acc.num_processes
         if not isinstance(saved_world, int) or saved_world < 1:
             raise ValueError(f"checkpoint {path} has no valid world size in {MARKER} ({saved_world!r})")
         acc_dir = path / "accelerate"
@@ -255,11 +411,16 @@ class CheckpointManager:
                    "a replicated (single-process or DDP) checkpoint: resume it without FSDP (e.g. "
                    "configs/accelerate/multi_gpu.yaml), or start a fresh FSDP run")
             raise ValueError(f"checkpoint {path} is {how}; this run is {'FSDP' if self.sharded() else 'not FSDP'}")
+        from safetensors import SafetensorError
+
         try:
             self.acc.load_state(str(path / "accelerate"))
             trainer_state = torch.load(path / "trainer.pt", weights_only=True)
             data_states = [torch.load(path / f"data_rank{r:05d}.pt", weights_only=True) for r in range(saved_world)]
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        except (pickle.UnpicklingError, RuntimeError, EOFError, SafetensorError) as err:
+            shapes = shape_mismatch(err)
+            if shapes is not None:
+                raise ShapeMismatch(path, shapes) from err
             raise ValueError(_unloadable_message(path, err)) from err
         self._check_rng_files(path, saved_world)
         log.info("resumed from %s (step %d)%s", path, trainer_state.get("step", -1), f"; {note}" if note else "")
@@ -306,12 +467,85 @@ class CheckpointManager:
                              "resumed run would not be exact; resume from another checkpoint")
 
 
+def read_checksums(path: str | Path) -> dict[str, str] | None:
+    """The sha256 per file recorded in a checkpoint's COMPLETE marker; None for a checkpoint written
+    before checksums were recorded."""
+    try:
+        info = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    sums = info.get(integrity.ALGORITHM) if isinstance(info, dict) else None
+    if not isinstance(sums, dict):
+        return None
+    return {str(k): str(v) for k, v in sums.items()}
+
+
+def mismatch_error(path: Path, bad: list[str]) -> ChecksumMismatch:
+    more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{'...' if len(bad) > 4 else ''})" if len(bad) > 1 else ""
+    return ChecksumMismatch(f"checkpoint {path}: {bad[0]}{more} does not match the checksum recorded when it was "
+                            "saved (damaged or changed since); resume from another checkpoint", bad)
+
+
+def verify_files(path: str | Path, only: list[str] | None = None) -> None:
+    """`CheckpointManager.verify` in one process, for readers without a process group (export,
+    eval): the files `only` (relative paths; all by default) against the recorded checksums."""
+    path = Path(path)
+    recorded = read_checksums(path)
+    if recorded is None:
+        log.warning("%s was saved by an older omniloom without checksums: its files cannot be verified", path)
+        return
+    if only is not None:
+        only = [rel for rel in recorded if any(rel == o or rel.startswith(o.rstrip("/") + "/") for o in only)]
+    bad = integrity.mismatches(path, recorded, only=only)
+    if bad:
+        raise mismatch_error(path, bad)
+
+
+def _describe_error(err: BaseException, where: Path) -> str:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return first.replace(str(where), "...") if first else type(err).__name__
+
+
+def _free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return None
+
+
+def _nearly_full(path: Path) -> bool:
+    """Less than 1 MiB free where `path` lies: torch's own writer reports a full disk without the
+    errno ("unexpected pos"), so the free space says it."""
+    free = _free_bytes(path)
+    return free is not None and free < (1 << 20)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
 def _unloadable_message(path: Path, err: BaseException, culprit: Path | None = None) -> str:
     """One line for a checkpoint file that cannot be loaded safely, naming the file."""
     from accelerate.utils import load as acc_load
 
     if culprit is None:  # find which file it was (only on this error path: files may be large)
         for f in sorted(path.rglob("*")):
+            if f.is_file() and f.suffix == ".safetensors":
+                try:
+                    from safetensors import safe_open
+
+                    with safe_open(str(f), framework="pt") as fh:
+                        for key in fh.keys():
+                            fh.get_slice(key)
+                except Exception as e:  # noqa: BLE001 - a bad header, a truncated or a pickled file
+                    culprit, err = f, e
+                    break
             if f.is_file() and f.suffix in (".bin", ".pkl", ".pt"):
                 try:
                     acc_load(f, map_location="cpu")

@@ -19,6 +19,8 @@ import logging
 import os
 import sys
 
+from .integrity import DiskFullError, is_disk_full
+
 # Order is the order in `omniloom --help`.
 COMMAND_MODULES = (
     "omniloom.data.cli",
@@ -36,7 +38,8 @@ COMMAND_MODULES = (
     "omniloom.pretrain.bench_threads",
 )
 
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+# DiskFullError: a checkpoint save that filled the disk says so in one line (the data is intact)
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, DiskFullError)
 
 log = logging.getLogger("omniloom")
 
@@ -158,6 +161,19 @@ def _bench_all(args, bench_sub) -> int:
     return status
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, except that a command taking dotted overrides also takes them after its
+    options: argparse fills positionals once, so in `omniloom train tiny --resume auto
+    train.num_steps=50` the last word would be "unrecognized"."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        overrides = getattr(args, "overrides", None)
+        if not isinstance(overrides, list) or any(a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        overrides.extend(extra)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Output cut short by its reader (`omniloom tokenizer encode ... | head`) ends
     the command quietly, as a command killed by SIGPIPE would (exit 141), whichever command printed:
@@ -178,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     verbosity = args.verbose - args.quiet
     setup_logging(verbosity)
     if getattr(args, "func", None) is None:
@@ -190,6 +206,11 @@ def _main(argv: list[str] | None) -> int:
         if args.verbose:
             raise
         print(f"omniloom: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if args.verbose or not is_disk_full(err):
+            raise
+        print(f"omniloom: error: disk full: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("omniloom: interrupted", file=sys.stderr)

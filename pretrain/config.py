@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import importlib.resources
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -30,6 +31,15 @@ class OptimConfig:
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = 100
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
+
+    def __post_init__(self) -> None:
+        _at_least("optim", self, lr=0.0, weight_decay=0.0, grad_clip=0.0, warmup_steps=0)
+        _at_least("optim", self, eps=1e-30)
+        for name in ("min_lr_ratio", "decay_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"optim.{name} must be between 0 and 1, got {getattr(self, name)}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas must each be in [0, 1), got {list(self.betas)}")
 
 
 @dataclass(kw_only=True)
@@ -61,6 +71,10 @@ class TrainConfig:
     # the run resumes from its own checkpoint (pretrain/init_from.py)
     init_from: str = ""
 
+    def __post_init__(self) -> None:
+        _at_least("train", self, num_steps=1, grad_accum_steps=1, eval_steps=1, max_bad_steps=1)
+        _at_least("train", self, eval_every=0, num_threads=0)
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -71,6 +85,9 @@ class CheckpointConfig:
     # batch_size x grad_accum_steps) by choosing the accumulation, refusing when none fits; "change":
     # train on with this run's own (pretrain/resume_batch.py)
     resume_global_batch: Literal["keep", "change"] = "keep"
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint", self, every=0, keep_last=1)
 
 
 @dataclass(kw_only=True)
@@ -85,6 +102,19 @@ class LoggingConfig:
     # Append, per rank and step, the documents trained on (source, epoch, sample, piece) to
     # RUN/data_trace/rankNNNNN.jsonl: an audit of exactly-once data, e.g. across a resume.
     data_trace: bool = False
+
+    def __post_init__(self) -> None:
+        _at_least("logging", self, every=1, spike_window=2, progress_seconds=0.0)
+        _at_least("logging", self, spike_sigma=1e-30)
+
+
+def _at_least(section: str, obj, **minimum) -> None:
+    """ValueError naming `section.key` for a value below its minimum (or NaN)."""
+    for name, low in minimum.items():
+        value = getattr(obj, name)
+        if isinstance(value, float) and math.isnan(value) or value < low:
+            bound = "> 0" if low == 1e-30 else f">= {low:g}"
+            raise ValueError(f"{section}.{name} must be {bound}, got {value}")
 
 
 @dataclass(kw_only=True)

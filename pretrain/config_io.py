@@ -37,6 +37,19 @@ class Sources:
             return "command line"
         return self.default
 
+    def for_error(self, path: str, message: str) -> str | None:
+        """Where the value that `message` (a dataclass's own check of section `path`) is about came
+        from: the command line when the message names a key set there under `path`, else the
+        default. The section's own path says only where the section came from, and a section from
+        the preset file can hold a value from the command line."""
+        bare = path.split("[", 1)[0]
+        inside = [o for o in self.overridden if not bare or o == bare or o.startswith(bare + ".")
+                  or bare.startswith(o + ".")]
+        for o in sorted(inside, key=len, reverse=True):
+            if o in message or re.search(rf"\b{re.escape(o.rsplit('.', 1)[-1])}\b", message):
+                return "command line"
+        return self.for_path(path)
+
     def __str__(self) -> str:
         return str(self.default)
 
@@ -158,7 +171,7 @@ def from_dict(cls: type, data: dict, *, path: str = "", source: str | None = Non
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as err:
-        src = source.for_path(path) if isinstance(source, Sources) else source
+        src = source.for_error(path, str(err)) if isinstance(source, Sources) else source
         raise ConfigError(f"invalid {cls.__name__}{' at ' + path if path else ''}" + (f" (from {src})" if src else "") + f": {err}") from err
 
 
@@ -204,6 +217,22 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def _paths_with_leaf(cls: type, leaf: str, prefix: str = "") -> list[str]:
+    """Every dotted key of dataclass tree `cls` whose last part is `leaf` (train.warmup_steps is
+    optim.warmup_steps: a key given in the wrong section)."""
+    found = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        if f.name == leaf:
+            found.append(path)
+        if dataclasses.is_dataclass(hints.get(f.name)):
+            found += _paths_with_leaf(hints[f.name], leaf, path)
+    return found
+
+
 def apply_overrides(cls: type, data: dict, overrides: list[str], overridden: set[str] | None = None) -> dict:
     """Set dotted overrides into the raw mapping, checking each path against `cls` first.
     The dotted paths set are added to `overridden` (for error messages)."""
@@ -216,7 +245,13 @@ def apply_overrides(cls: type, data: dict, overrides: list[str], overridden: set
             prefix.append(part)
             names = [f.name for f in dataclasses.fields(node_cls) if f.init] if dataclasses.is_dataclass(node_cls) else None
             if names is not None and part not in names:
-                closest = _closest(part, names).replace("'", "'" + ".".join(prefix[:-1]) + ("." if len(prefix) > 1 else ""), 1) if "did you mean" in _closest(part, names) else _closest(part, names)
+                elsewhere = _paths_with_leaf(cls, parts[-1]) if i == len(parts) - 1 else []
+                if elsewhere:  # the right key in another section
+                    closest = f"; did you mean '{elsewhere[0]}'?"
+                elif "did you mean" in _closest(part, names):
+                    closest = _closest(part, names).replace("'", "'" + ".".join(prefix[:-1]) + ("." if len(prefix) > 1 else ""), 1)
+                else:
+                    closest = _closest(part, names)
                 raise ConfigError(f"unknown key {_where('.'.join(prefix), 'command line')}" + closest)
             if i == len(parts) - 1:
                 node[part] = value

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import (FULL_FSDP_MODEL_FILE, MARKER, SHARDED_MODEL_DIR, describe_incomplete, incomplete_checkpoints,
-                         incomplete_reason, latest_checkpoint, list_checkpoints, step_of)
+                         incomplete_reason, latest_checkpoint, list_checkpoints, step_of, verify_files)
 from .safe_io import INDEX_NAME, SINGLE_NAME, parse_size, safe_torch_load, save_sharded
 
 log = logging.getLogger(__name__)
@@ -179,11 +179,16 @@ def read_dcp_state_dict(path: str | Path, prefix: str = "model.") -> dict[str, t
 def read_checkpoint_weights(ckpt: str | Path) -> dict[str, torch.Tensor]:
     """The model's full (consolidated) state dict from a checkpoint folder, whatever accelerate
     wrote: safetensors, a weights-only `.bin`, an FSDP full state dict or an FSDP2 DCP folder."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     acc = Path(ckpt) / "accelerate"
     if (acc / ACC_SAFETENSORS).is_file():
-        state = load_file(str(acc / ACC_SAFETENSORS))
+        try:
+            state = load_file(str(acc / ACC_SAFETENSORS))
+        except SafetensorError as err:  # truncated, a damaged header, a pickle under that name
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            raise ValueError(f"{acc / ACC_SAFETENSORS} is unreadable ({first}); export another checkpoint") from err
     elif (acc / ACC_FSDP_DCP).is_dir():
         state = read_dcp_state_dict(acc / ACC_FSDP_DCP)
     elif (acc / ACC_FSDP_FULL).is_file() or (acc / ACC_BIN).is_file():
@@ -217,10 +222,17 @@ def find_tokenizer_dir(cfg, ckpt: Path, override: str | Path | None = None) -> P
                             "(the folder made by `omniloom tokenizer train`)")
 
 
+# what export and eval read from a checkpoint, verified against its recorded checksums first (the
+# optimizer is not read, so not hashed)
+READ_FILES = ("accelerate/" + ACC_SAFETENSORS, "accelerate/" + ACC_BIN, "accelerate/" + ACC_FSDP_FULL,
+              "accelerate/" + ACC_FSDP_DCP, "config.yaml", "trainer.pt")
+
+
 def load_checkpoint_model(path: str | Path, *, tokenizer: str | Path | None = None):
     """(model in eval mode, RunConfig, checkpoint folder, tokenizer folder) for a run or checkpoint,
     without writing anything (what `omniloom eval RUN` uses)."""
     ckpt = resolve_checkpoint(path)
+    verify_files(ckpt, only=list(READ_FILES))
     cfg = load_checkpoint_config(ckpt)
     cfg = dataclasses.replace(cfg, model=portable_model_config(cfg.model))
     state = read_checkpoint_weights(ckpt)
@@ -286,6 +298,7 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     parse_size(max_shard_size)  # a malformed size fails before any reading
     ckpt = resolve_checkpoint(src)
+    verify_files(ckpt, only=list(READ_FILES))  # damaged weights are refused, naming the file
     out = Path(out_dir)
     if out.resolve() == ckpt.resolve() or ckpt.resolve() in out.resolve().parents:
         raise ValueError(f"--out {out} lies inside the checkpoint {ckpt}; choose another folder")

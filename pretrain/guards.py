@@ -5,12 +5,14 @@
   last good checkpoint.
 - `SpikeDetector`: z-score of a value against a trailing window (OLMo-core flags > 6 sigma over 128
   steps); spikes are logged, not acted on.
-- `GracefulShutdown`: SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits 0.
+- `GracefulShutdown`: SIGTERM/SIGINT set a flag; the loop finishes its step, saves and exits 0. A
+  signal that comes while the loop waits for a step's batches ends the wait (`interruptible`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -94,6 +96,12 @@ def under_launcher() -> bool:
     return bool(os.environ.get("OMNILOOM_LAUNCHED") or os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
+class StopRequested(BaseException):
+    """Raised out of a `GracefulShutdown.interruptible()` section by a stop signal. A BaseException,
+    so that no `except Exception` in the code it interrupts (a loader skipping bad samples) takes
+    it for an error of its own."""
+
+
 class GracefulShutdown:
     """Installs SIGTERM/SIGINT handlers that only set a flag. The loop checks `requested` (agreed
     across ranks by the caller) after each step, saves a checkpoint and exits with code 0.
@@ -109,6 +117,7 @@ class GracefulShutdown:
         self.requested = False
         self.signal_name = ""
         self._previous = {}
+        self._interruptible = False
         self.repeat_stops_hard = (not under_launcher()) if repeat_stops_hard is None else repeat_stops_hard
 
     def install(self) -> "GracefulShutdown":
@@ -129,7 +138,24 @@ class GracefulShutdown:
             return
         self.requested = True
         self.signal_name = signal.Signals(signum).name
+        if self._interruptible:
+            self._interruptible = False
+            log.warning("%s received while the next step's batches were being read: stopping the wait, saving the "
+                        "last trained step, then exiting", self.signal_name)
+            raise StopRequested(self.signal_name)
         log.warning("%s received: finishing this step, saving a checkpoint, then exiting", self.signal_name)
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """A section (waiting for data) that a stop signal ends at once with StopRequested, instead
+        of only setting the flag for the end of the step; raised at entry when a stop is pending."""
+        if self.requested:
+            raise StopRequested(self.signal_name)
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -21,7 +21,8 @@ It runs accelerate's launcher in this process and changes three things:
   line naming the rank, its exit code or signal.
 
 The ranks learn they run under it from OMNILOOM_LAUNCHED (a repeated signal is the same stop, not
-a hard one) and OMNILOOM_LAUNCH_ERRORS (where `omniloom.pretrain.train` leaves its one line).
+a hard one) and OMNILOOM_LAUNCH_ERRORS (where `omniloom.pretrain.train` leaves its one line). A
+rank stops (saving, with the others) when the launcher dies, SIGKILL included: pretrain/lifeline.py.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+
+from .lifeline import LAUNCHER_PID_ENV
 
 log = logging.getLogger("omniloom.launch")
 
@@ -240,8 +243,9 @@ def launch(argv: list[str], *, quiet_agent: bool = True) -> int:
         args.config_file = str(found)
     forwarder = _Forwarder()
     with tempfile.TemporaryDirectory(prefix="omniloom-launch-") as errors:
-        old_env = {k: os.environ.get(k) for k in ("OMNILOOM_LAUNCHED", "OMNILOOM_LAUNCH_ERRORS")}
-        os.environ.update(OMNILOOM_LAUNCHED="1", OMNILOOM_LAUNCH_ERRORS=errors)
+        old_env = {k: os.environ.get(k) for k in ("OMNILOOM_LAUNCHED", "OMNILOOM_LAUNCH_ERRORS", LAUNCHER_PID_ENV)}
+        # the ranks stop when this process dies, even by SIGKILL (pretrain/lifeline.py)
+        os.environ.update(OMNILOOM_LAUNCHED="1", OMNILOOM_LAUNCH_ERRORS=errors, **{LAUNCHER_PID_ENV: str(os.getpid())})
         if quiet_agent:  # torchrun's agent logs every failure with a traceback of its own
             logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         forwarder.install()

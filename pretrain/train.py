@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -31,17 +32,22 @@ from torch.distributed.tensor import DTensor
 from omniloom.model.decoder import is_indexer_param
 
 from . import build as B
-from .checkpoint import CheckpointManager, latest_checkpoint, resolve_resume
+from .checkpoint import CheckpointManager, checkpoint_name, resolve_resume
+from .checkpoint_fit import ShapeMismatch
 from .config import RunConfig, check_resume_positions, load_config, to_yaml
 from .init_from import check_init_from, load_init_weights
 from .train_args import add_train_args, config_from_args  # noqa: F401 (re-exported)
 from .config_io import to_dict
-from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector
+from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector, StopRequested
+from .integrity import is_disk_full
+from .lifeline import arm_if_launched
 from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
 from .optim import build_optimizer, build_scheduler
 from .resume_batch import keep_global_batch
 from .expert_parallel import find_plan, shard_range
 from .parallel import apply_parallelism, check_launch, seed_everything, set_deterministic
+from .preflight import check_step_memory, warn_ignored_settings
+from .runlock import claim_collective
 from .threads import configure_threads
 
 log = logging.getLogger("omniloom.train")
@@ -102,21 +108,28 @@ class Trainer:
     """Owns the prepared model, optimizer, scheduler, loaders and the small units the loop calls.
 
     `build_model(cfg) -> nn.Module` and `build_loader(cfg, split, rank, world_size)` default to
-    the real model and data stream (pretrain/build.py); tests pass their own."""
+    the real model and data stream (pretrain/build.py); tests pass their own.
+
+    The run folder is locked from construction to the end of `fit` (or `close`): one training per
+    folder (pretrain/runlock.py). A folder that holds an earlier run needs `checkpoint.resume` or
+    `overwrite=True` (which deletes that run's outputs)."""
 
     def __init__(self, cfg: RunConfig, *, build_model: Callable | None = None,
-                 build_loader: Callable | None = None, progress: bool = True):
+                 build_loader: Callable | None = None, progress: bool = True, overwrite: bool = False):
         if build_loader is None and not cfg.data.sources:  # fail before minutes of model setup
             raise ValueError("data.sources is empty: point it at shards made by `omniloom data build`, e.g. "
                              "data.sources='[{path: shards/train}]' data.tokenizer=tok")
         # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / "checkpoints")
-        if resume is not None:
-            check_resume_positions(cfg, resume)
         init_from = check_init_from(cfg.train.init_from)
+        self.lifeline = arm_if_launched()  # a rank stops (saving) when its launcher dies
         configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
                           quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0)
         self.acc = make_accelerator(cfg)
+        # the main process locks the run folder before anything in it is read, removed or written
+        self._run_lock = claim_collective(self.acc, cfg.train.run_dir, resume=cfg.checkpoint.resume,
+                                          overwrite=overwrite, has_checkpoint=resume is not None)
+        self._release = weakref.finalize(self, _release_lock, self._run_lock)  # also when __init__ fails
         resume_note = ""
         if resume is not None:  # batch_size is per rank: keep the global batch on another process count
             cfg, resume_note = keep_global_batch(cfg, resume, self.acc.num_processes)
@@ -128,6 +141,8 @@ class Trainer:
         self._build_loader = build_loader or B.build_loader
         if build_model is None:
             cfg = B.resolve_model_config(cfg)
+            check_step_memory(cfg, self.acc.device)  # before minutes of setup and workers that grow without bound
+            warn_ignored_settings(cfg.model, quiet=not self.acc.is_main_process)
             build_model = B.build_model
         self.cfg = cfg
         self.run_dir = Path(cfg.train.run_dir)
@@ -177,16 +192,14 @@ class Trainer:
         data_states = None
         if cfg.checkpoint.resume == "auto" and resume is None:
             log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", self.ckpt.dir)
-        elif not cfg.checkpoint.resume and latest_checkpoint(self.ckpt.dir) is not None:
-            log.warning("%s already holds checkpoints (newest %s) and this run starts fresh: it will overwrite "
-                        "them step by step and append to metrics.jsonl (older checkpoints with a higher step stay, and a "
-                        "later --resume auto would pick them); pass --resume auto to continue instead, "
-                        "or choose another train.run_dir", self.ckpt.dir, latest_checkpoint(self.ckpt.dir).name)
-        if resume is not None:
-            data_states = self._restore(resume, resume_note)
+        if resume is not None:  # verified first; with resume=auto a damaged one gives way to the one before
+            data_states = self._restore(self.ckpt.first_verified(resume, auto=cfg.checkpoint.resume == "auto"), resume_note)
         self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
         if data_states is not None:
-            self._load_data_states(data_states)
+            try:
+                self._load_data_states(data_states)
+            except ValueError as err:
+                raise ValueError(f"cannot resume from {self.last_checkpoint}: {err}") from err
         with torch.random.fork_rng(devices=[]):  # see _next_host_batch
             self.train_iter = iter(self.train_loader)
         self._staged = None  # the batch staged one step ahead (_next_batch)
@@ -210,7 +223,12 @@ class Trainer:
                 logger.log(self.evaluate(), 0)  # the untrained baseline the held-out curves start from
             while self.step < cfg.train.num_steps:
                 t_step = time.perf_counter()
-                stats, counts_LME, lr = self.run_step()
+                done = self.run_step()
+                if done is None:  # a stop signal came while this step's batches were still being read
+                    stopped_by = "signal"
+                    self._stop_before_step()
+                    break
+                stats, counts_LME, lr = done
                 self._trace_step()
                 losses.append(stats["loss"])
                 window.add(stats, counts_LME, time.perf_counter() - t_step, self.timer.pop())
@@ -243,13 +261,21 @@ class Trainer:
         finally:
             self.shutdown.restore()
             logger.close()
+            self.close()
         return TrainResult(self.step, self.tokens_seen, stopped_by, self.last_checkpoint, losses)
 
-    def run_step(self) -> tuple[dict, torch.Tensor | None, float]:
+    def close(self) -> None:
+        """Release the run folder (fit does it when it ends)."""
+        self._release()
+
+    def run_step(self) -> tuple[dict, torch.Tensor | None, float] | None:
         """One optimizer step: micro-batches, guard, update, router biases, schedule. Returns the
-        step's all-reduced statistics, the expert counts and the learning rate it used."""
+        step's all-reduced statistics, the expert counts and the learning rate it used; None when a
+        stop signal reached some rank before the step's batches were read (nothing was trained)."""
         self._attention_schedule()
         step_vec, counts_LME = self._train_step()
+        if step_vec is None:
+            return None
         stats = self._unpack(step_vec)
         ok = self.guard.check(self.step + 1, stats["loss"], stats["grad_norm"], self.last_checkpoint)
         if ok:
@@ -276,12 +302,19 @@ class Trainer:
         accum, world = cfg.train.grad_accum_steps, acc.num_processes
         self.model.train()
         with self.timer.phase("data"):
-            staged = [self._next_batch() for _ in range(accum)]
-            n_local = [n for _, _, n in staged]  # counted on the host copy: no device read
-            if world > 1:
-                n_global = float(acc.reduce(torch.tensor(float(sum(n_local)), device=self.device), reduction="sum"))
+            handed = (self._data_state, len(self._step_pieces))
+            staged = self._read_step_batches(accum)
+            n_local = [n for _, _, n in staged] if staged is not None else [0]  # counted on the host copy
+            if world > 1:  # the label count, and whether some rank was stopped while reading
+                agreed = acc.reduce(torch.tensor([float(sum(n_local)), float(staged is None)], device=self.device),
+                                    reduction="sum").tolist()
+                n_global, stopped = agreed[0], agreed[1] > 0
             else:
-                n_global = float(sum(n_local))
+                n_global, stopped = float(sum(n_local)), staged is None
+        if stopped:  # every rank drops the step; the data state and trace go back to the last trained step
+            self._data_state, self._step_pieces = handed[0], self._step_pieces[:handed[1]]
+            self._staged = None  # whatever was read ahead is dropped with the iterator
+            return None, None
         nb_layers = len(self.b_layers)
         acc_vec = torch.zeros(_NSCALAR + 2 * B.NUM_MODALITIES + 2 * nb_layers, device=self.device)
         attn_at = _NSCALAR + 2 * B.NUM_MODALITIES
@@ -322,6 +355,27 @@ class Trainer:
         # the gradient norm travels with the step vector: one device-to-host read per step
         norm = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(float("nan") if grad_norm is None else grad_norm)
         return torch.cat([reduced, norm.detach().float().reshape(1).to(reduced.device)]), counts_LME
+
+    def _read_step_batches(self, accum: int) -> list | None:
+        """This step's micro-batches, or None when a stop signal came while they were being read
+        (a batch can take long to build: slow storage, huge rows): the wait is abandoned there. The
+        ranks then agree to drop the step (`_train_step`), so a checkpoint saved now resumes
+        exactly at the last trained step."""
+        try:
+            with self.shutdown.interruptible():
+                return [self._next_batch() for _ in range(accum)]
+        except StopRequested:
+            return None
+
+    def _stop_before_step(self) -> None:
+        """Every rank agreed to stop before step `self.step + 1` was trained: save the last trained
+        step unless it is saved already (or nothing was trained in this run)."""
+        saved = self.last_checkpoint is not None and Path(self.last_checkpoint).name == checkpoint_name(self.step)
+        if self.step > 0 and not saved:
+            self.save()
+        log.warning("stopped by %s while the batches of step %d were being read; %s; resume with "
+                    "checkpoint.resume=auto", self.shutdown.signal_name or "a signal on another rank", self.step + 1,
+                    f"last checkpoint {self.last_checkpoint}" if self.last_checkpoint else "nothing was trained yet")
 
     def _attention_schedule(self) -> None:
         """model.attention.dense_warmup_steps: B layers attend densely before that step, sparsely
@@ -513,7 +567,12 @@ class Trainer:
         # FSDP2 loads through state_dict() templates: with expert parallelism they must describe
         # the whole expert tensors (DTensors), whatever layout wrote the checkpoint
         with self._expert_state_dicts() if self.ckpt.sharded() else contextlib.nullcontext():
-            trainer_state, data_state = self.ckpt.load(path, note=note)
+            try:
+                trainer_state, data_state = self.ckpt.load(path, note=note)
+            except ShapeMismatch as err:  # say which model settings differ, when config.yaml tells
+                raise err.explained(self.cfg.model) from err
+        # the weights fit; settings that no weight's shape shows must match too
+        check_resume_positions(self.cfg, path)
         self.step = int(trainer_state["step"])
         self.tokens_seen = int(trainer_state["tokens_seen"])
         self.scheduler.load_state_dict(trainer_state["scheduler"])
@@ -580,6 +639,11 @@ class Trainer:
             yield batch
 
 
+def _release_lock(lock) -> None:
+    if lock is not None:
+        lock.release()
+
+
 class _Window:
     """Sums over the steps between two log lines."""
 
@@ -640,7 +704,8 @@ def report_failure(line: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `accelerate launch -m omniloom.pretrain.train` (and `omniloom launch`)."""
-    args = build_arg_parser().parse_args(argv)
+    # intermixed: options may also come after the preset and the overrides (--resume auto last)
+    args = build_arg_parser().parse_intermixed_args(argv)
     # Rank 0 tells the story; the other ranks speak only to warn, and say who they are.
     rank = int(os.environ.get("RANK", "0"))
     from .cli import USER_ERRORS, setup_logging
@@ -648,11 +713,15 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(0 if rank == 0 else -1, prefix="" if rank == 0 else f"[rank {rank}] ")
 
     try:
-        result = run(config_from_args(args), progress=not args.no_progress)
+        result = run(config_from_args(args), progress=not args.no_progress, overwrite=args.overwrite)
     except NonFiniteError as err:
         return report_failure(f"omniloom train: {err}", 3)
     except USER_ERRORS as err:
         return report_failure(f"omniloom train: error: {err}", 2)
+    except OSError as err:  # a full disk outside a checkpoint save (metrics, TensorBoard): one line too
+        if not is_disk_full(err):
+            raise
+        return report_failure(f"omniloom train: error: disk full: {err}", 2)
     finally:
         close_process_group()
     log.info("finished at step %d (%s), %d tokens; last checkpoint %s", result.step, result.stopped_by,

@@ -16,6 +16,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="'auto' (newest complete checkpoint in RUN_DIR/checkpoints, else start fresh) or a "
                    "step_N folder; same as checkpoint.resume=...")
     p.add_argument("--run-dir", default=None, help="output folder (same as train.run_dir=...)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run folder that already holds a run: deletes its checkpoints, "
+                   "metrics.jsonl, tb/ and data_trace/ first (without it such a folder is refused unless "
+                   "--resume is given)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar; without one (this flag, or no terminal) rank 0 logs a progress line every "
                    "logging.progress_seconds (default 30; 0 for none). Metrics still go to JSONL")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.num_steps=50 optim.lr=1e-3")

@@ -24,7 +24,9 @@ def register(sub) -> None:
         "repository). For several processes or GPUs use "
         "`omniloom launch --config_file cpu_2proc -m omniloom.pretrain.train "
         "--config tiny ...` with the same arguments (`omniloom launch` is `accelerate launch` with clean exit codes).",
-        epilog="Options go before PRESET and the overrides. Example: omniloom train --run-dir runs/t1 tiny "
+        epilog="Options may come before or after PRESET and the overrides. A run folder that already holds a run "
+        "needs --resume auto (continue) or --overwrite (start over); one training at a time per folder. "
+        "Example: omniloom train --run-dir runs/t1 tiny "
         "data.sources='[{path: shards/train}]' data.tokenizer=tok train.num_steps=200",
     )
     p.add_argument("preset", nargs="?", default=None, help="preset name or YAML path (or use --config)")
@@ -53,7 +55,7 @@ def _train(args) -> int:
             args.config = args.preset
     cfg = config_from_args(args)
     try:
-        result = run(cfg, progress=not args.no_progress)
+        result = run(cfg, progress=not args.no_progress, overwrite=args.overwrite)
     except NonFiniteError as err:
         print(f"omniloom train: {err}", file=sys.stderr)
         return 3

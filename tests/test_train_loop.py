@@ -35,12 +35,12 @@ def _fresh_accelerate_state():
     PartialState._reset_state()
 
 
-def _trainer(tmp_path, *overrides, **builder_kwargs):
+def _trainer(tmp_path, *overrides, overwrite=False, **builder_kwargs):
     from omniloom.pretrain.train import Trainer
 
     cfg = load_config(None, standin.base_overrides(tmp_path) + ["data.num_workers=0"] + list(overrides))
     build_model, build_loader = standin.standin_builders(num_workers=0, **builder_kwargs)
-    return Trainer(cfg, build_model=build_model, build_loader=build_loader, progress=False)
+    return Trainer(cfg, build_model=build_model, build_loader=build_loader, progress=False, overwrite=overwrite)
 
 
 # ---- schedules and optimizer -------------------------------------------------------------------
@@ -220,9 +220,9 @@ def test_save_interrupted_before_rename_leaves_nothing_visible(tmp_path, monkeyp
     assert [p.name for p in ckpt_mod.list_checkpoints(ckpts)] == ["step_00000005", "step_00000006"]  # keep_last=2
 
 
-def test_fresh_run_over_a_longer_old_run_keeps_its_own_checkpoints(tmp_path):
-    old = _fake_complete(tmp_path / "checkpoints", 100)  # an earlier, longer run in the same folder
+def test_keep_last_never_prunes_the_newest_save_for_a_higher_step_beside_it(tmp_path):
     trainer = _trainer(tmp_path, "train.num_steps=2", "checkpoint.every=1", "checkpoint.keep_last=1")
+    old = _fake_complete(tmp_path / "checkpoints", 100)  # e.g. a run resumed from an older checkpoint
     trainer.fit()
     names = [p.name for p in ckpt_mod.list_checkpoints(tmp_path / "checkpoints")]
     assert names == ["step_00000002", old.name]  # the new run's newest survives pruning
@@ -392,17 +392,34 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
         trainer.fit()
 
 
-def test_sigterm_finishes_step_saves_and_returns(tmp_path):
-    # the loader signals as it yields its 4th batch; batches are staged one step ahead, so that
-    # happens during step 3, which finishes and saves
-    trainer = _trainer(tmp_path, "train.num_steps=50", "checkpoint.every=0", sigterm_at=4)
+@pytest.mark.parametrize("when", ["forward", "batch read"])
+def test_sigterm_finishes_step_saves_and_returns(tmp_path, when):
+    """A signal while a step computes: the step finishes, is saved, the run returns. A signal while
+    a step's batches are being read (issue 27 item 4: a batch can take long to build): nothing of
+    that step has been trained, so the wait ends there and the step before it is saved."""
+    if when == "forward":
+        trainer = _trainer(tmp_path, "train.num_steps=50", "checkpoint.every=0", sigterm_at_call=3)
+        want_step = 3
+    else:
+        # the loader signals as it yields its 4th batch: batches are staged one step ahead, so
+        # that is while step 3 reads its batches
+        trainer = _trainer(tmp_path, "train.num_steps=50", "checkpoint.every=0", sigterm_at=4)
+        want_step = 2
     result = trainer.fit()
-    assert result.stopped_by == "signal" and result.step == 3
+    assert result.stopped_by == "signal" and result.step == want_step
     assert trainer.train_loader.consumed == 4  # the staged batch was read ...
     latest = ckpt_mod.latest_checkpoint(tmp_path / "checkpoints")
-    assert latest.name == "step_00000003" and ckpt_mod.is_complete(latest)
+    assert latest.name == f"step_{want_step:08d}" and ckpt_mod.is_complete(latest)
     state = torch.load(latest / "data_rank00000.pt", weights_only=True)
-    assert state == {"consumed": 3}  # ... but the checkpoint resumes at the first batch not trained on
+    assert state == {"consumed": want_step}  # ... but the checkpoint resumes at the first batch not trained on
+
+
+def _forget_checksums(ckpt):
+    """COMPLETE without its checksums: a checkpoint from before they were recorded, or one whose
+    tamperer rewrote the record too. The files' own checks must still refuse what is unsafe."""
+    info = json.loads((ckpt / ckpt_mod.MARKER).read_text())
+    info.pop("sha256", None)
+    (ckpt / ckpt_mod.MARKER).write_text(json.dumps(info))
 
 
 class _Payload:
@@ -450,6 +467,10 @@ def test_resume_refuses_unsafe_or_corrupt_state_in_one_line(tmp_path, tamper, ma
         rng.write_bytes(rng.read_bytes()[:100])
     else:
         torch.save({"step": 2}, rng)
+    with pytest.raises(ValueError, match="does not match the checksum recorded when it was saved"):
+        _trainer(tmp_path, "train.num_steps=3", f"checkpoint.resume={ckpt}")  # issue 27 item 6
+    _reset_accelerate()
+    _forget_checksums(ckpt)
     with pytest.raises(ValueError, match=match) as err:
         _trainer(tmp_path, "train.num_steps=3", f"checkpoint.resume={ckpt}")
     assert "weights_only=False" not in str(err.value) and "\n" not in str(err.value)
@@ -479,6 +500,7 @@ def test_resume_on_another_world_size_refuses_an_unsafe_rng_file_of_any_rank(tmp
     _reset_accelerate()
     marker = tmp_path / "pwned"
     torch.save({"random_state": _Payload(marker)}, ckpt / "accelerate" / f"random_states_{tampered_rank}.pkl")
+    _forget_checksums(ckpt)
     with pytest.raises(ValueError, match=rf"refusing to resume from .*: accelerate/random_states_{tampered_rank}\.pkl "
                                          "holds pickled objects") as err:
         _trainer(tmp_path, "train.num_steps=3", f"checkpoint.resume={ckpt}")

@@ -8,7 +8,7 @@ real torch DataLoader with worker processes.
 Run as a script it trains with them, so the multi-process tests can `accelerate launch` it:
 
     accelerate launch --config_file configs/accelerate/cpu_2proc.yaml tests/test_train_standin.py \
-        --out DIR [--sleep S] [--sigterm-at-step K] key=value ...
+        --out DIR [--sleep S] [--sigterm-at K] [--stall-at K] key=value ...
 
 Legend: B batch, S sequence, V vocab, D width, E experts.
 """
@@ -65,9 +65,9 @@ def make_batch(seed: int, rank: int, index: int, batch_size: int, seq_len: int) 
 
 
 class _Dataset(torch.utils.data.Dataset):
-    def __init__(self, seed, rank, batch_size, seq_len, start, length, sleep):
+    def __init__(self, seed, rank, batch_size, seq_len, start, length, sleep, stall_at=None):
         self.args = (seed, rank, batch_size, seq_len)
-        self.start, self.length, self.sleep = start, length, sleep
+        self.start, self.length, self.sleep, self.stall_at = start, length, sleep, stall_at
 
     def __len__(self):
         return self.length
@@ -75,6 +75,8 @@ class _Dataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         if self.sleep:
             time.sleep(self.sleep)
+        if self.stall_at is not None and self.start + i + 1 == self.stall_at:
+            time.sleep(3600)  # a batch that takes "forever" to build
         seed, rank, bs, sl = self.args
         return make_batch(seed, rank, self.start + i, bs, sl)
 
@@ -91,13 +93,16 @@ class StandinLoader:
     """Batches `index = consumed, consumed+1, ...` for this rank through a DataLoader with workers;
     the state is the number of batches handed to the trainer (not the number prefetched)."""
 
-    def __init__(self, seed, rank, batch_size, seq_len, num_workers=2, sleep=0.0, sigterm_at=None, length=10_000):
+    def __init__(self, seed, rank, batch_size, seq_len, num_workers=2, sleep=0.0, sigterm_at=None, length=10_000,
+                 stall_at=None):
         self.seed, self.rank, self.bs, self.sl = seed, rank, batch_size, seq_len
         self.num_workers, self.sleep, self.sigterm_at, self.length = num_workers, sleep, sigterm_at, length
+        self.stall_at = stall_at
         self.consumed = 0
 
     def __iter__(self):
-        ds = _Dataset(self.seed, self.rank, self.bs, self.sl, self.consumed, self.length - self.consumed, self.sleep)
+        ds = _Dataset(self.seed, self.rank, self.bs, self.sl, self.consumed, self.length - self.consumed, self.sleep,
+                      self.stall_at)
         dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers,
                                          collate_fn=lambda b: b, persistent_workers=False,
                                          worker_init_fn=_ignore_sigterm if self.num_workers else None)
@@ -151,7 +156,7 @@ class StandinBlock(torch.nn.Module):
 class StandinModel(torch.nn.Module):
     """Embedding (current + previous token), blocks with a fake router, untied head."""
 
-    def __init__(self, dim=32, num_layers=2, nan_at_call=None):
+    def __init__(self, dim=32, num_layers=2, nan_at_call=None, sigterm_at_call=None):
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, dim)
         self.prev_embed = torch.nn.Embedding(VOCAB, dim)
@@ -159,11 +164,14 @@ class StandinModel(torch.nn.Module):
         self.final_norm = torch.nn.RMSNorm(dim)
         self.head = torch.nn.Linear(dim, VOCAB, bias=False)
         self.nan_at_call = set(nan_at_call or ())
+        self.sigterm_at_call = sigterm_at_call
         self.calls = 0
         self.bias_updates = 0
 
     def forward(self, input_ids, labels, positions, doc_ids, block_ids, modality, patches, patch_kind):
         self.calls += 1
+        if self.calls == self.sigterm_at_call:  # a stop that arrives while a step computes
+            os.kill(os.getpid(), signal.SIGTERM)
         prev_BS = torch.roll(input_ids, 1, dims=1)
         x_BSD = self.embed(input_ids) + self.prev_embed(prev_BS)
         counts = []
@@ -199,18 +207,19 @@ class StandinModel(torch.nn.Module):
         return 6 * sum(p.numel() for p in self.parameters())
 
 
-def standin_builders(sleep=0.0, sigterm_at=None, nan_at_call=None, num_workers=2):
+def standin_builders(sleep=0.0, sigterm_at=None, nan_at_call=None, num_workers=2, sigterm_at_call=None,
+                     stall_at=None):
     """(build_model, build_loader) for Trainer."""
 
     def build_model(cfg):
-        return StandinModel(nan_at_call=nan_at_call)
+        return StandinModel(nan_at_call=nan_at_call, sigterm_at_call=sigterm_at_call)
 
     def build_loader(cfg, split, rank, world_size):
         if split == "eval":
             return StandinLoader(cfg.data.seed + 777, rank, cfg.data.batch_size, cfg.data.seq_len,
                                  num_workers=0, length=cfg.train.eval_steps)
         return StandinLoader(cfg.data.seed, rank, cfg.data.batch_size, cfg.data.seq_len,
-                             num_workers=num_workers, sleep=sleep, sigterm_at=sigterm_at)
+                             num_workers=num_workers, sleep=sleep, sigterm_at=sigterm_at, stall_at=stall_at)
 
     return build_model, build_loader
 
@@ -228,16 +237,32 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--sleep", type=float, default=0.0)
+    p.add_argument("--stall-at", type=int, default=None, help="building this batch (1-based) takes an hour")
     p.add_argument("--sigterm-at", type=int, default=None)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     cfg = load_config(None, base_overrides(args.out) + args.overrides)
-    build_model, build_loader = standin_builders(args.sleep, args.sigterm_at)
-    trainer = Trainer(cfg, build_model=build_model, build_loader=build_loader, progress=False)
-    rank = trainer.acc.process_index
-    with open(os.path.join(args.out, f"pid_rank{rank}"), "w") as fh:
-        fh.write(str(os.getpid()))
-    result = trainer.fit()
+    build_model, build_loader = standin_builders(args.sleep, args.sigterm_at, num_workers=cfg.data.num_workers,
+                                                 stall_at=args.stall_at)
+    from omniloom.pretrain.cli import USER_ERRORS
+    from omniloom.pretrain.integrity import is_disk_full
+    from omniloom.pretrain.train import report_failure
+
+    trainer = None
+    try:  # a user error is one line and exit 2, as `omniloom train` says it (once, under `omniloom launch`)
+        trainer = Trainer(cfg, build_model=build_model, build_loader=build_loader, progress=False)
+        rank = trainer.acc.process_index
+        with open(os.path.join(args.out, f"pid_rank{rank}"), "w") as fh:
+            fh.write(str(os.getpid()))
+        result = trainer.fit()
+    except (*USER_ERRORS, OSError) as err:
+        if isinstance(err, OSError) and not isinstance(err, USER_ERRORS):
+            if not is_disk_full(err):
+                raise
+            err = f"disk full: {err}"  # outside a checkpoint save (metrics.jsonl)
+        if trainer is not None:
+            trainer.train_iter = None  # shuts the loader workers down: they ignore the SIGTERM exit sends them
+        return report_failure(f"omniloom train: error: {err}", 2)
     model = trainer.acc.unwrap_model(trainer.model)
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(args.out, f"params_rank{rank}.pt"))
     with open(os.path.join(args.out, f"result_rank{rank}.json"), "w") as fh:
