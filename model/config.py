@@ -41,8 +41,9 @@ class AttentionConfig:
                 attention's per-block mass on `indexer_sample_blocks` sampled query blocks per
                 row (stop-gradient on both the target and the indexer's input), so it never
                 pushes on the language model. `indexer_rope_dim`: the first that many index
-                dims are rotated by the token's (temporal) position, so the index can score by
-                distance as well as content (0: no position, NoPE). See docs/sparse-attention.md.
+                dims are rotated by the token's position in the model's `rope_layout` (t alone
+                under `sections`), so the index can score by distance as well as content (0: no
+                position, NoPE). See docs/sparse-attention.md.
     dense_warmup_steps: B layers attend densely (as G) for the first N training steps while the
       indexer already learns; the trainer logs the switch.
 

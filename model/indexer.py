@@ -87,7 +87,7 @@ def index_rope_angles(positions: torch.Tensor, rope_dim: int, base: float = INDE
     position t alone, as those models were trained. `interleaved` rotates as the attention does (`omniloom.model.embeddings.rope_axes`, the index's frequencies split evenly
     between t, h and w), so the index sees an image's rows and columns too. Text (t = h = w) gets
     the same angles under every layout."""
-    from .embeddings import rope_axes
+    from .embeddings import _axis_table
 
     n = rope_dim // 2
     inv = base ** (-torch.arange(0, rope_dim, 2, device=positions.device, dtype=torch.float32) / rope_dim)
@@ -95,8 +95,8 @@ def index_rope_angles(positions: torch.Tensor, rope_dim: int, base: float = INDE
         t_BS = positions if positions.dim() == 2 else positions[:, 0]
         ang = t_BS.float().unsqueeze(-1) * inv
     else:
-        axes = rope_axes(n, (n - 2 * (n // 3), n // 3, n // 3), layout)
-        ang = torch.stack([positions[:, a].float() * inv[i] for i, a in enumerate(axes)], dim=-1)
+        axis_n = _axis_table(n, (n - 2 * (n // 3), n // 3, n // 3), layout, positions.device)
+        ang = positions.float().index_select(1, axis_n).transpose(1, 2) * inv
     return ang.cos(), ang.sin()
 
 

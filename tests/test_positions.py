@@ -175,7 +175,8 @@ def test_the_index_branch_rotates_text_alike_under_every_layout():
     ref = index_rope_angles(n[:, 0], 8)
     for layout in ROPE_LAYOUTS:
         got = index_rope_angles(n, 8, layout=layout)
-        torch.testing.assert_close(got[0], ref[0]) and torch.testing.assert_close(got[1], ref[1])
+        torch.testing.assert_close(got[0], ref[0])
+        torch.testing.assert_close(got[1], ref[1])
     img = torch.tensor([[[5, 5, 5], [5, 6, 7], [5, 5, 5]]], dtype=torch.int32)  # one row of three patches
     legacy = index_rope_angles(img, 8, layout="sections")  # as trained before: time alone
     assert torch.equal(legacy[0][0, 0], legacy[0][0, 2])
@@ -222,6 +223,6 @@ def test_resuming_under_other_position_settings_is_refused(tmp_path):
     ckpt.mkdir()
     saved = [line for line in to_yaml(load_config("tiny")).splitlines() if "rope_layout" not in line]
     (ckpt / "config.yaml").write_text("\n".join(saved) + "\n")  # written before model.rope_layout existed
-    with pytest.raises(ConfigError, match=r"trained with model.rope_layout=sections.*resume with model.rope_layout=sections"):
+    with pytest.raises(ConfigError, match=r"trained with model.rope_layout=sections.*use model.rope_layout=sections"):
         check_resume_positions(load_config("tiny", ["model.rope_layout=interleaved"]), ckpt)
     check_resume_positions(load_config("tiny", ["model.rope_layout=sections"]), ckpt)
