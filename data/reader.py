@@ -43,9 +43,6 @@ class SampleError(Exception):
         self.reason = reason
 
 
-READ_CHUNK = 1 << 20  # remote streams are read in chunks this large: memory follows the bytes that exist
-
-
 @dataclass
 class ShardInfo:
     """One tar of a shard set, with the byte offset of each sample's first header (-1: the
@@ -293,12 +290,56 @@ def _discard(f, count: int) -> None:
         count -= len(chunk)
 
 
-def _members(data: bytes, key: str, limits: ReadLimits, where: str) -> dict[str, bytes]:
-    """The members of sample `key` at the start of `data`, each checked against `limits` from its
-    header before it is read (tarfile would expand a sparse member's holes, or a forged size)."""
+class _Window(io.RawIOBase):
+    """Bytes [start, stop) of the open stream `f` (stop -1: to its end) as a file for tarfile, so
+    a sample's headers are read before its members' data: a member refused from its header is
+    seeked over (a local file) or read through in small chunks and dropped (a stream, which
+    tarfile's streaming mode skips forward by reading), never held whole in memory."""
+
+    def __init__(self, f, start: int, stop: int, seekable: bool):
+        super().__init__()
+        self.f, self.start, self.stop, self._seekable = f, start, stop, seekable
+        self.pos = start  # absolute position of `f`
+        self.short = False  # the stream ended before `stop`
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self._seekable
+
+    def readinto(self, buf) -> int:
+        n = len(buf) if self.stop < 0 else min(len(buf), self.stop - self.pos)
+        if n <= 0:
+            return 0
+        data = self.f.read(n)
+        buf[: len(data)] = data
+        self.pos += len(data)
+        if len(data) < n:
+            self.short = self.stop >= 0
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if not self._seekable:
+            raise io.UnsupportedOperation("seek")
+        base = {io.SEEK_SET: self.start, io.SEEK_CUR: self.pos, io.SEEK_END: self.stop}[whence]
+        self.pos = max(self.start, base + offset)
+        self.f.seek(self.pos)
+        return self.pos - self.start
+
+    def tell(self) -> int:
+        return self.pos - self.start
+
+
+def _members(fileobj, key: str, limits: ReadLimits, where: str, *, stream: bool = False) -> dict[str, bytes]:
+    """The members of sample `key` at the start of `fileobj`, each checked against `limits` from
+    its header before its data is read (tarfile would expand a sparse member's holes, or read a
+    forged size). `stream`: a file that cannot seek (tarfile's streaming mode)."""
+    if isinstance(fileobj, (bytes, bytearray)):
+        fileobj = io.BytesIO(fileobj)
     members: dict[str, bytes] = {}
     first = True
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+    with tarfile.open(fileobj=fileobj, mode="r|" if stream else "r:") as tf:
         for member in tf:
             mkey, suffix = split_member(member.name)
             if mkey != key:
@@ -356,43 +397,34 @@ class SampleReader:
             where = "no byte offset" if start < 0 else f"byte {start}, past the shard's {end} bytes"
             raise SampleError("bad_offset", f"{shard.url}: the manifest gives sample {sample_idx} ({key}) {where}; "
                                             "run `omniloom data verify` and rebuild the manifest")
+        local, window, short = is_local(shard.url), None, False
         try:
             f = self._stream_at(shard.url, start)
-            data = self._read_range(f, shard, start, end)
+            # a local file bounds the range by its real size, so a manifest's offset never sizes a read
+            stop = min(end, os.fstat(f.fileno()).st_size) if local and end >= 0 else (
+                os.fstat(f.fileno()).st_size if local else end)
+            window = _Window(f, start, stop, seekable=local)
+            short = local and end >= 0 and stop < end
+            try:
+                members = _members(window, key, shard.limits, f"{shard.url}: sample {sample_idx} ({key})", stream=not local)
+            finally:
+                self._pos = window.pos
+            short = short or window.short
         except SampleError:
             self.close()
             raise
+        except (tarfile.TarError, EOFError, ValueError, OverflowError) as err:  # tarfile's pax/sparse parsers raise ValueError
+            self.close()
+            if short or (window is not None and window.short):  # a shard that ends before the manifest says it does, inside this sample
+                raise SampleError("truncated_shard", f"{shard.url}: sample {sample_idx} ({key}) is cut short: the shard ends "
+                                                     f"before byte {end}, where the manifest says it ends") from err
+            raise SampleError("corrupt_tar", f"{shard.url}: sample {sample_idx} ({key}): {err}") from err
         except OSError as err:
             self.close()
             raise SampleError("unreadable_shard", f"{shard.url}: {err}") from err
-        self._pos += len(data)
-        short = end >= 0 and len(data) < end - start
         if short:
             self.close()
-        try:
-            return _members(data, key, shard.limits, f"{shard.url}: sample {sample_idx} ({key})")
-        except (tarfile.TarError, EOFError, ValueError, OverflowError) as err:  # tarfile's pax/sparse parsers raise ValueError
-            if short:  # a shard that ends before the manifest says it does, inside this sample
-                raise SampleError("truncated_shard", f"{shard.url}: sample {sample_idx} ({key}) is cut short: the shard ends at "
-                                                     f"byte {start + len(data)}, the manifest says {end}") from err
-            raise SampleError("corrupt_tar", f"{shard.url}: sample {sample_idx} ({key}): {err}") from err
-
-    @staticmethod
-    def _read_range(f, shard: ShardInfo, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the stream at `start` (end -1: to its end), never asking for more
-        than exists: a local file is bounded by its size, a remote stream is read in chunks."""
-        want = end - start if end >= 0 else -1
-        if is_local(shard.url):
-            left = max(os.fstat(f.fileno()).st_size - start, 0)
-            return f.read(left if want < 0 else min(want, left))
-        chunks, got = [], 0
-        while want < 0 or got < want:
-            chunk = f.read(READ_CHUNK if want < 0 else min(READ_CHUNK, want - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
+        return members
 
     def read_document(self, shard_idx: int, sample_idx: int) -> tuple[dict, dict[str, bytes]]:
         """(doc_json, media bytes by ref) for one sample; raises SampleError with a skip reason."""

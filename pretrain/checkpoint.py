@@ -102,18 +102,22 @@ def link_out_of_run(path: str | Path) -> str | None:
     leading out of its run folder (`path/../..`); None when it stays inside. A checkpoint linked
     in from elsewhere would be followed on resume and could be another run's, or anyone's."""
     path = Path(path)
-    root = path.parent.parent.resolve()
+    root = Path(os.path.realpath(path.parent.parent))
+    # os.path.realpath, not Path.resolve: a link loop is then just a path that leads nowhere
+    # (Path.resolve raises RuntimeError on a loop in Python 3.11)
     if path.is_symlink():
-        target = path.resolve()
-        if not target.is_relative_to(root):
-            return f"it is a link to {target}, outside the run folder {root}"
+        target = Path(os.path.realpath(path))
+        if not target.is_relative_to(root) or not target.exists():
+            return f"it is a link to {target}, outside the run folder {root} or nowhere"
     if not path.is_dir():
         return None
     for folder, dirs, files in os.walk(path):  # does not follow links into folders
         for name in dirs + files:
             p = Path(folder) / name
-            if p.is_symlink() and not p.resolve().is_relative_to(root):
-                return f"{p.relative_to(path)} in it links to {p.resolve()}, outside the run folder {root}"
+            if p.is_symlink():
+                target = Path(os.path.realpath(p))
+                if not target.is_relative_to(root) or not target.exists():
+                    return f"{p.relative_to(path)} in it links to {target}, outside the run folder {root} or nowhere"
     return None
 
 
@@ -326,7 +330,10 @@ class CheckpointManager:
         remove_path(final)  # re-saving the same step (e.g. SIGTERM right after a periodic save); a link: only the link
         os.replace(tmp, final)
         _fsync_dir(self.dir)
-        self._prune(step)
+        try:
+            self._prune(step)
+        except Exception as err:  # noqa: BLE001 - the checkpoint is saved; pruning old ones is housekeeping
+            log.warning("keep_last: could not prune older checkpoints in %s (%s); %s is saved", self.dir, err, final.name)
         return final
 
     def _prune(self, saved_step: int) -> None:

@@ -57,11 +57,11 @@ def shape_mismatch(err: BaseException) -> str | None:
 def model_config_changes(path: str | Path, model_cfg) -> str:
     """' (model settings that differ from the checkpoint's config.yaml: model.dim 64 there, 128
     here; ...)', or '' when config.yaml is unreadable or agrees."""
-    from .config import load_config
+    from .config import load_saved_config
     from .config_io import to_dict
 
     try:
-        saved = to_dict(load_config(str(Path(path) / "config.yaml")).model)
+        saved = to_dict(load_saved_config(Path(path) / "config.yaml").model)
     except Exception:  # noqa: BLE001 - only a hint on an error path
         return ""
     here = to_dict(model_cfg)

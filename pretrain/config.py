@@ -204,19 +204,29 @@ def load_saved_config(path: str | Path) -> RunConfig:
 POSITION_KEYS = ("rope_layout", "rope_sections", "rope_base")
 
 
+def position_differences(trained, run) -> list[tuple[str, object, object]]:
+    """(key, trained value, this run's value) for every POSITION_KEYS setting of the ModelConfig
+    `trained` that the ModelConfig `run` changes."""
+    return [(k, getattr(trained, k), getattr(run, k)) for k in POSITION_KEYS if getattr(trained, k) != getattr(run, k)]
+
+
+def refuse_position_changes(trained, run, what: str) -> None:
+    """ConfigError when `run` would rotate positions otherwise than `trained` (ModelConfigs) was
+    trained: `what` (a checkpoint, an export) names the weights."""
+    diff = position_differences(trained, run)
+    if diff:
+        fix = " ".join(f"model.{k}={_cli_value(a)}" for k, a, _ in diff)
+        raise ConfigError(f"{what} was trained with " + ", ".join(f"model.{k}={_cli_value(a)}" for k, a, _ in diff)
+                          + " but this run sets " + ", ".join(f"{_cli_value(b)}" for _, _, b in diff)
+                          + f": positions would change under the trained weights; use {fix}")
+
+
 def check_resume_positions(cfg: RunConfig, checkpoint: str | Path) -> None:
     """Refuse to resume `checkpoint` under position settings other than those it was trained
     with (a checkpoint from before `model.rope_layout` existed trained with `sections`)."""
     saved_path = Path(checkpoint) / "config.yaml"
-    if not saved_path.is_file():
-        return  # the checkpoint checks report a checkpoint without its config
-    saved = load_saved_config(saved_path).model
-    diff = [(k, getattr(saved, k), getattr(cfg.model, k)) for k in POSITION_KEYS if getattr(saved, k) != getattr(cfg.model, k)]
-    if diff:
-        fix = " ".join(f"model.{k}={_cli_value(a)}" for k, a, _ in diff)
-        raise ConfigError(f"{checkpoint} was trained with " + ", ".join(f"model.{k}={_cli_value(a)}" for k, a, _ in diff)
-                          + " but this run sets " + ", ".join(f"{_cli_value(b)}" for _, _, b in diff)
-                          + f": positions would change under the trained weights; resume with {fix}")
+    if saved_path.is_file():  # the checkpoint checks report a checkpoint without its config
+        refuse_position_changes(load_saved_config(saved_path).model, cfg.model, str(checkpoint))
 
 
 def _cli_value(v) -> str:
@@ -224,7 +234,7 @@ def _cli_value(v) -> str:
 
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "check_resume_positions", "LoggingConfig", "OptimConfig", "RunConfig", "TrainConfig",
+    "CheckpointConfig", "ConfigError", "check_resume_positions", "position_differences", "refuse_position_changes", "LoggingConfig", "OptimConfig", "RunConfig", "TrainConfig",
     "list_accelerate_configs", "list_presets", "load_config", "load_saved_config", "presets_dir", "resolve_accelerate_config",
     "resolve_preset", "to_yaml",
 ]

@@ -69,7 +69,11 @@ def load_init_weights(model, folder: Path, run_cfg, *, expert_range: tuple[int, 
             raise ValueError(f"train.init_from={folder} was trained with another tokenizer than data.tokenizer="
                              f"{run_cfg.data.tokenizer} (tokenizer.model sha256 {want[:12]}... vs {have[:12]}...): the "
                              "ids would mean other tokens; use the export's tokenizer")
-    changed = _differences(full, model_config_from_dict(info.get("model") or {}))
+    exported = model_config_from_dict(info.get("model") or {})
+    from .config import refuse_position_changes
+
+    refuse_position_changes(exported, full, f"train.init_from={folder}")  # no weight's shape shows them
+    changed = _differences(full, exported)
     if changed:
         log.warning("train.init_from: this run's model settings differ from the export's in %s", "; ".join(changed))
     state = read_safetensors(folder)

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import yaml
 
 from .checkpoint import MARKER
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +70,24 @@ def plan_accumulation(saved: Batching, now: Batching, *, policy: str, seq_len: i
         return now.grad_accum_steps, (f"the global batch changes from {saved.describe(seq_len)} to {now.describe(seq_len)} "
                                       "(checkpoint.resume_global_batch=change)")
     per_micro = now.processes * now.batch_size
+    if (now.processes, now.batch_size) == (saved.processes, saved.batch_size):
+        # the same layout with another accumulation asked for: keeping the global batch ignores it
+        log.warning("train.grad_accum_steps=%d ignored: resuming keeps the checkpoint's global batch, %s; pass "
+                    "checkpoint.resume_global_batch=change to train on with %d accumulation steps",
+                    now.grad_accum_steps, saved.describe(seq_len), now.grad_accum_steps)
+        return saved.grad_accum_steps, ""
     if saved.rows % per_micro == 0:
         accum = saved.rows // per_micro
         kept = dataclasses.replace(now, grad_accum_steps=accum)
         return accum, (f"on {now.processes} process(es) (saved on {saved.processes}): gradient accumulation "
                        f"{now.grad_accum_steps} -> {accum} keeps the global batch at {kept.describe(seq_len)}")
     fits = [p for p in range(1, saved.rows // now.batch_size + 1) if saved.rows % (p * now.batch_size) == 0]
+    if not fits:
+        raise ValueError(
+            f"the checkpoint's global batch is {saved.describe(seq_len)}, and no number of processes x "
+            f"data.batch_size={now.batch_size} rows divides it (the checkpoint ran data.batch_size={saved.batch_size}): "
+            f"resume with data.batch_size={saved.batch_size}, or pass checkpoint.resume_global_batch=change to train on "
+            f"with {now.describe(seq_len)}")
     raise ValueError(
         f"the checkpoint's global batch is {saved.describe(seq_len)}; on {now.processes} process(es) x {now.batch_size} rows "
         f"no gradient accumulation gives {saved.rows} rows: launch {', '.join(map(str, fits))} process(es), or pass "

@@ -130,8 +130,13 @@ class Trainer:
         self._run_lock = claim_collective(self.acc, cfg.train.run_dir, resume=cfg.checkpoint.resume,
                                           overwrite=overwrite, has_checkpoint=resume is not None)
         self._release = weakref.finalize(self, _release_lock, self._run_lock)  # also when __init__ fails
+        self.ckpt = CheckpointManager(Path(cfg.train.run_dir) / "checkpoints", self.acc, cfg.checkpoint.keep_last)
         resume_note = ""
-        if resume is not None:  # batch_size is per rank: keep the global batch on another process count
+        if resume is not None:
+            # verified first (with resume=auto a damaged one gives way to the one before), so that
+            # the global batch below is planned from the checkpoint whose weights and data load
+            resume = self.ckpt.first_verified(resume, auto=cfg.checkpoint.resume == "auto")
+            # batch_size is per rank: keep the global batch on another process count
             cfg, resume_note = keep_global_batch(cfg, resume, self.acc.num_processes)
         if self.acc.device.type == "cpu" and cfg.train.cpu_malloc == "keep":
             from .malloc import keep_freed_memory
@@ -178,7 +183,6 @@ class Trainer:
             self.ep.attach_optimizer(optimizer)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.num_steps)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", self.acc, cfg.checkpoint.keep_last)
         self.guard = NonFiniteGuard(cfg.train.max_bad_steps)
         self.spikes = {"loss": SpikeDetector(cfg.logging.spike_window, cfg.logging.spike_sigma),
                        "grad_norm": SpikeDetector(cfg.logging.spike_window, cfg.logging.spike_sigma)}
@@ -192,8 +196,8 @@ class Trainer:
         data_states = None
         if cfg.checkpoint.resume == "auto" and resume is None:
             log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", self.ckpt.dir)
-        if resume is not None:  # verified first; with resume=auto a damaged one gives way to the one before
-            data_states = self._restore(self.ckpt.first_verified(resume, auto=cfg.checkpoint.resume == "auto"), resume_note)
+        if resume is not None:
+            data_states = self._restore(resume, resume_note)
         self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
         if data_states is not None:
             try:

@@ -172,6 +172,27 @@ def test_members_past_the_builds_limits_are_skipped_unread(tmp_path):
     assert _read_all(folder)[2] == "oversize_member"
 
 
+def test_a_real_oversize_member_is_refused_from_its_header_before_its_data_is_read(tmp_path):
+    """Review of item 12: the sample's whole byte range was read into memory, then parsed; a real
+    (not sparse) member past the limit cost its full size before it was refused."""
+    import tracemalloc
+
+    big = os.urandom(24 << 20)
+    folder = _hostile_shard(tmp_path / "h", [
+        [("doc.json", _doc("img0.jpg"), None), ("img0.jpg", big, None)],
+        [("doc.json", _doc(), None)],
+    ], settings={"text": {"max_bytes": 1 << 20}, "limits": {"max_image_bytes": 1 << 20}})
+    del big
+    tracemalloc.start()
+    try:
+        got = _read_all(folder)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got[0] == "oversize_member" and isinstance(got[1], tuple), got
+    assert peak < 4 << 20, f"reading a shard with a refused 24 MiB member peaked at {peak / 2**20:.1f} MiB"
+
+
 def test_a_deeply_nested_doc_json_is_skipped_and_counted(tmp_path):
     """Item 13: 100,000 nested lists (200 KB) raise RecursionError in json.loads."""
     deep = b"[" * 100_000 + b"]" * 100_000

@@ -96,6 +96,20 @@ def test_refusals_name_the_problem(tok_dir, export, tmp_path):
     with pytest.raises(ValueError, match="another tokenizer"):
         load_init_weights(OmniModel(cfg.model), other, cfg)
 
+    # issue 29: an export trained before rope_layout existed (its config.json has no key) trained
+    # with the sections layout; today's default would rotate its weights otherwise, silently
+    old = tmp_path / "old"
+    old.mkdir()
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["model"]["rope_layout"]
+    (old / "config.json").write_text(json.dumps(cfg))
+    (old / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    now = run_cfg(tok_dir, rope_layout="interleaved")
+    with pytest.raises(ValueError, match=r"init_from=.* was trained with model.rope_layout=sections .*use model.rope_layout=sections"):
+        load_init_weights(OmniModel(now.model), old, now)
+    then = run_cfg(tok_dir, rope_layout="sections")
+    load_init_weights(OmniModel(then.model), old, then)
+
 
 def test_the_trainer_starts_from_the_export_with_a_fresh_optimizer(tok_dir, export, tmp_path):
     """Through the real Trainer: with lr 0 and no bias updates, the step-1 checkpoint holds the

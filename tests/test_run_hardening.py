@@ -562,6 +562,20 @@ def test_flipped_bytes_are_refused_on_resume_and_export_and_auto_falls_back(tmp_
         _trainer(run, "train.num_steps=3", "checkpoint.resume=auto")
 
 
+def test_auto_falls_back_before_planning_the_batch_from_a_damaged_config_yaml(tmp_path, caplog):
+    """Review: the global batch was planned from the newest checkpoint's config.yaml before its
+    checksums were checked, so a damaged one refused the whole resume instead of falling back."""
+    run = tmp_path / "run"
+    older, newer = _trained(run, steps=2)
+    (newer / "config.yaml").write_text("data: [unclosed\n")
+    _reset()
+    with caplog.at_level(logging.WARNING):
+        t = _trainer(run, "train.num_steps=3", "checkpoint.resume=auto")
+    assert t.step == 1 and t.last_checkpoint == str(older)
+    assert any("config.yaml does not match" in r.getMessage() for r in caplog.records)
+    t.close()
+
+
 def test_a_checkpoint_without_checksums_still_resumes_with_a_warning(tmp_path, caplog):
     (ckpt,) = _trained(tmp_path, steps=1)
     info = json.loads((ckpt / ckpt_mod.MARKER).read_text())
@@ -671,6 +685,21 @@ def test_a_step_folder_linking_out_of_the_run_is_never_followed_nor_deleted_thro
     inner.unlink()
     inner.symlink_to(outside / "trainer.pt")
     assert "trainer.pt in it links to" in ckpt_mod.incomplete_reason(inner.parent)
+
+
+
+def test_a_link_loop_in_a_step_folder_is_a_reason_not_a_traceback(tmp_path):
+    # review: Path.resolve raised RuntimeError("Symlink loop") from the check, so --resume auto
+    # ended in a traceback and a save's pruning reported the save itself as failed
+    (ckpt,) = _trained(tmp_path, steps=1)
+    loop = ckpt / "loop"
+    loop.symlink_to(loop)
+    assert "loop in it links to" in ckpt_mod.incomplete_reason(ckpt)
+    looped = tmp_path / "checkpoints" / "step_00000007"
+    looped.symlink_to(looped, target_is_directory=True)
+    assert ckpt_mod.incomplete_reason(looped).startswith("it is a link to ")
+    with pytest.raises(ValueError, match=r"holds no complete checkpoint, only step_00000007 \(it is a link"):
+        ckpt_mod.resolve_resume("auto", tmp_path / "checkpoints")
 
 
 # ---- item 10: a full disk -----------------------------------------------------------------------
@@ -791,7 +820,7 @@ def test_resuming_under_another_rope_layout_is_refused_once_the_weights_fit(tmp_
     t.save()
     t.close()
     _reset()
-    with pytest.raises(ValueError, match=r"trained with model.rope_layout=sections .*resume with model.rope_layout=sections"):
+    with pytest.raises(ValueError, match=r"trained with model.rope_layout=sections .*use model.rope_layout=sections"):
         _trainer(tmp_path, *small, "model.rope_layout=interleaved", "checkpoint.resume=auto", build_model=B.build_model)
     _reset()
     t = _trainer(tmp_path, *small, "model.rope_layout=sections", "checkpoint.resume=auto", build_model=B.build_model)

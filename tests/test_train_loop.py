@@ -719,6 +719,19 @@ def test_plan_keeps_the_global_batch_by_accumulation_or_refuses_naming_what_fits
     assert accum == 1 and "changes from 8 rows" in note and "to 12 rows" in note
 
 
+
+def test_plan_warns_when_it_overrides_an_accumulation_asked_for_and_names_a_changed_batch_size(caplog):
+    # review of issue 28 item 3: the same layout with train.grad_accum_steps=3 was reverted to the
+    # checkpoint's 1 with an INFO note only; a changed data.batch_size said "launch  process(es)"
+    from omniloom.pretrain.resume_batch import Batching, plan_accumulation
+
+    with caplog.at_level("WARNING", logger="omniloom.pretrain.resume_batch"):
+        assert plan_accumulation(Batching(2, 4, 1), Batching(2, 4, 3), policy="keep", seq_len=512) == (1, "")
+    assert "train.grad_accum_steps=3 ignored" in caplog.text and "resume_global_batch=change" in caplog.text
+    with pytest.raises(ValueError, match=r"ran data.batch_size=4\): resume with data.batch_size=4"):
+        plan_accumulation(Batching(2, 4, 1), Batching(2, 3, 1), policy="keep", seq_len=512)
+
+
 def test_resume_on_fewer_processes_keeps_the_global_batch_and_says_so(tmp_path, monkeypatch, caplog):
     """A 2-process checkpoint (faked from a 1-process one) resumed on 1 process trained on with half
     the tokens per step; now the accumulation doubles, the resume line says so, and the steps after
