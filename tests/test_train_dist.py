@@ -104,7 +104,11 @@ def test_sigkill_mid_training_then_resume_auto_matches_uninterrupted_run(referen
     killed_at = max(_losses(out))
     assert 6 <= killed_at < 12
     resumed_from = latest_checkpoint(out / "checkpoints")
-    assert resumed_from is not None and resumed_from.name in ("step_00000004", "step_00000008")
+    # the periodic checkpoints (every 4 steps), or the one a rank saves when it sees its launcher
+    # die (pretrain/lifeline.py) before its own SIGKILL arrives
+    assert resumed_from is not None
+    step = int(resumed_from.name.split("_")[1])
+    assert step in (4, 8) or 6 <= step <= killed_at, resumed_from.name
 
     _run(_launch_cmd(out, *COMMON, "checkpoint.resume=auto"))
     ref, got = _losses(reference_run), _losses(out)

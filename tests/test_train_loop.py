@@ -759,7 +759,8 @@ def test_resume_on_fewer_processes_keeps_the_global_batch_and_says_so(tmp_path, 
     trainer.fit()
     assert trainer.tokens_seen - seen == 2 * before  # the 2-process step's tokens, on one process
     _reset_accelerate()
-    with pytest.raises(ValueError, match="no gradient accumulation gives 4 rows"):
+    with pytest.raises(ValueError, match=r"global batch is 4 rows .* no number of processes x data.batch_size=3 rows "
+                                         r"divides it \(the checkpoint ran data.batch_size=2\)"):
         _trainer(tmp_path, "train.num_steps=3", "data.batch_size=3", f"checkpoint.resume={ckpt}")
     _reset_accelerate()
     trainer = _trainer(tmp_path, "train.num_steps=3", "data.batch_size=3", f"checkpoint.resume={ckpt}",
