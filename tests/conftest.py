@@ -44,6 +44,27 @@ def _restore_process_settings():
     own.setLevel(logging.NOTSET)
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny decode-sized ops: on a shared CPU, OpenMP thread hand-offs cost more than the math.
+    A module opts in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """A tiny trained omniloom Tokenizer (tokenizers/testing.py), once per test module (a module
+    may define its own `tok`)."""
+    from omniloom.tokenizers.testing import make_tiny_tokenizer
+
+    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False, help="also run tests marked slow")
 

@@ -16,19 +16,7 @@ from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
 from omniloom.pretrain import captions as C
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from omniloom.tokenizers.testing import make_tiny_tokenizer
-
-    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_model(tok, seed=0):

@@ -18,13 +18,7 @@ from omniloom.pretrain.evaluate import evaluate, resample_patches
 
 COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny decode-sized ops: on a shared CPU, OpenMP thread hand-offs cost more than the math."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_model(tok, seed=0, dim=32):

@@ -20,13 +20,7 @@ from omniloom.pretrain.export import export_checkpoint, read_checkpoint_weights,
 
 STEP = 7
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny decode-sized ops: on a shared CPU, OpenMP thread hand-offs cost more than the math."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_model_cfg(tok, pattern="LBG") -> ModelConfig:

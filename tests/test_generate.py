@@ -14,20 +14,7 @@ from omniloom.pretrain.generate import _full_logits, build_prompt, generate, sam
 
 WINDOW, BLOCK = 12, 8
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny decode-sized ops: on a shared CPU, OpenMP thread hand-offs cost more than the math."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from omniloom.tokenizers.testing import make_tiny_tokenizer
-
-    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_model(tok, backend="blocksparse", pattern="LBG", modality_groups=False, seed=0, kernels="auto", selector="pooled",

@@ -103,6 +103,16 @@ def _read_all(folder) -> dict:
     return out
 
 
+def _read_all_measured(folder) -> tuple[dict, int]:
+    """_read_all, and the peak of Python's allocations while it ran (bytes)."""
+    tracemalloc.start()
+    try:
+        got = _read_all(folder)
+        return got, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def _epoch_skips(folder, **kw) -> dict:
     """Stream a full epoch and more through the real loader: it must not raise; the skip counters."""
     cfg = DataConfig(sources=[SourceConfig(path=str(folder))], seq_len=64, batch_size=2, num_workers=0,
@@ -124,12 +134,7 @@ def test_a_sparse_member_is_skipped_unread_and_memory_stays_bounded(tmp_path):
         [("doc.json", _doc(), None)],
     ])
     assert os.path.getsize(os.path.join(folder, "h-000000.tar")) < 64 << 10
-    tracemalloc.start()
-    try:
-        got = _read_all(folder)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    got, peak = _read_all_measured(folder)
     assert got[1] == "sparse_member" and isinstance(got[0], tuple) and isinstance(got[2], tuple), got
     assert peak < 16 << 20, f"reading a 30 KB shard peaked at {peak / 2**20:.0f} MiB"
     # `data verify`, which the skip's message points to, names it without reading it either
@@ -175,20 +180,13 @@ def test_members_past_the_builds_limits_are_skipped_unread(tmp_path):
 def test_a_real_oversize_member_is_refused_from_its_header_before_its_data_is_read(tmp_path):
     """Review of item 12: the sample's whole byte range was read into memory, then parsed; a real
     (not sparse) member past the limit cost its full size before it was refused."""
-    import tracemalloc
-
     big = os.urandom(24 << 20)
     folder = _hostile_shard(tmp_path / "h", [
         [("doc.json", _doc("img0.jpg"), None), ("img0.jpg", big, None)],
         [("doc.json", _doc(), None)],
     ], settings={"text": {"max_bytes": 1 << 20}, "limits": {"max_image_bytes": 1 << 20}})
     del big
-    tracemalloc.start()
-    try:
-        got = _read_all(folder)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    got, peak = _read_all_measured(folder)
     assert got[0] == "oversize_member" and isinstance(got[1], tuple), got
     assert peak < 4 << 20, f"reading a shard with a refused 24 MiB member peaked at {peak / 2**20:.1f} MiB"
 

@@ -147,23 +147,33 @@ def test_lifeline_is_armed_only_under_a_launcher(monkeypatch):
 
 
 @pytest.mark.slow
+def _proctree():
+    spec = importlib.util.spec_from_file_location("proctree", Path(__file__).with_name("proctree.py"))
+    proctree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proctree)
+    return proctree
+
+
+def _launch_standin(out, proctree, *args: str) -> list[str]:
+    """`omniloom launch` of two stand-in ranks (tests/test_train_standin.py) writing into `out`."""
+    from omniloom.pretrain.config import presets_dir
+
+    return [sys.executable, "-m", "omniloom.pretrain.cli", "launch", "--config_file",
+            str(presets_dir() / "accelerate" / "cpu_2proc.yaml"), "--main_process_port", str(proctree.free_port()),
+            str(Path(__file__).with_name("test_train_standin.py")), "--out", str(out), *args]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigkill_of_omniloom_launch_stops_every_rank_and_they_save(tmp_path):
     """Before: `kill -9` of `omniloom launch` left both ranks training as orphans (torchrun gives each
     rank its own session). Now both stop at the same step, save a checkpoint together and exit;
     while they ran, only rank 0 held the run folder's lock."""
-    from omniloom.pretrain.config import presets_dir
     from omniloom.pretrain.metrics import read_metrics
 
-    spec = importlib.util.spec_from_file_location("proctree", Path(__file__).with_name("proctree.py"))
-    proctree = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(proctree)
+    proctree = _proctree()
     out = tmp_path / "run"
     out.mkdir()
-    cmd = [sys.executable, "-m", "omniloom.pretrain.cli", "launch", "--config_file",
-           str(presets_dir() / "accelerate" / "cpu_2proc.yaml"), "--main_process_port", str(proctree.free_port()),
-           str(Path(__file__).with_name("test_train_standin.py")), "--out", str(out), "--sleep", "0.1",
-           "train.num_steps=100000", "checkpoint.every=0"]
+    cmd = _launch_standin(out, proctree, "--sleep", "0.1", "train.num_steps=100000", "checkpoint.every=0")
     log_file = open(tmp_path / "launch.log", "w")
     launcher = subprocess.Popen(cmd, env=_env(), start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT)
     ranks: list[int] = []
@@ -400,18 +410,13 @@ def test_a_stop_while_a_batch_is_still_being_built_is_honoured_at_once(tmp_path)
 def test_two_ranks_waiting_for_a_batch_that_never_comes_stop_together_on_sigterm(tmp_path):
     """Both ranks wait for batch 4 (it takes an hour to build); SIGTERM to `omniloom launch` ends
     the wait on both, they agree to drop step 3, save step 2 together and the launcher exits 0."""
-    from omniloom.pretrain.config import presets_dir
     from omniloom.pretrain.metrics import read_metrics
 
-    spec = importlib.util.spec_from_file_location("proctree", Path(__file__).with_name("proctree.py"))
-    proctree = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(proctree)
+    proctree = _proctree()
     out = tmp_path / "run"
     out.mkdir()
-    cmd = [sys.executable, "-m", "omniloom.pretrain.cli", "launch", "--config_file",
-           str(presets_dir() / "accelerate" / "cpu_2proc.yaml"), "--main_process_port", str(proctree.free_port()),
-           str(Path(__file__).with_name("test_train_standin.py")), "--out", str(out), "--stall-at", "4",
-           "train.num_steps=100", "checkpoint.every=0", "data.num_workers=0"]
+    cmd = _launch_standin(out, proctree, "--stall-at", "4", "train.num_steps=100", "checkpoint.every=0",
+                          "data.num_workers=0")
     proc = subprocess.Popen(cmd, env=_env(), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:

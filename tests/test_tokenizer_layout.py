@@ -15,14 +15,9 @@ from omniloom.tokenizers import layout
 from omniloom.tokenizers.image import decode_image
 from omniloom.tokenizers.layout import CODE, IMAGE, SPECIAL, TEXT, VIDEO, validate_tokenized_doc
 from omniloom.tokenizers.settings import DocumentError, MediaError
-from omniloom.tokenizers.testing import make_image_bytes, make_tiny_tokenizer, make_video_bytes
+from omniloom.tokenizers.testing import make_image_bytes, make_video_bytes
 from omniloom.tokenizers.unified import detokenize, tokenize_document
 from omniloom.tokenizers.video import decode_video
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import sentencepiece as spm
 from omniloom.tokenizers import layout
 from omniloom.tokenizers.corpus import chunk_text, iter_shard_docs, resolve_shards, sample_chunks
 from omniloom.tokenizers.settings import MediaSettings
-from omniloom.tokenizers.testing import SAMPLE_CODE, make_tiny_tokenizer
+from omniloom.tokenizers.testing import SAMPLE_CODE
 from omniloom.tokenizers.text import Tokenizer, train_tokenizer
 
 ROUND_TRIP = [
@@ -37,11 +37,6 @@ ROUND_TRIP = [
     ("long_code_line = [" + ", ".join(str(i) for i in range(2000)) + "]\n"),
     SAMPLE_CODE,
 ]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return make_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.mark.parametrize("text", ROUND_TRIP, ids=range(len(ROUND_TRIP)))
