@@ -45,6 +45,7 @@ PROBE_TARGETS = {
 }
 UNCHANGED_BY = {"mirror": "center", "flip": "middle"}  # the truth value a probe leaves as it is
 MAX_BATCH_TOKENS = 16384  # rows x tokens per decoding forward
+MAX_CAPTION_TOKENS = 64  # most tokens generated per document (a longer text cannot match exactly)
 
 
 @dataclass
@@ -191,8 +192,8 @@ def caption_benchmark(model, tokenizer, data, *, max_docs: int | None = None, pr
         return result
     model.eval()
     patch_width = max(tokenizer.patch_dim, tokenizer.tubelet_dim)
-    if max_new_tokens is None:  # room for the longest true caption and a little more
-        max_new_tokens = max(len(tokenizer.encode(d.caption)) for d in docs) + 4
+    if max_new_tokens is None:  # room for the longest true caption and a little more; long texts are no captions
+        max_new_tokens = min(max(len(tokenizer.encode(d.caption)) for d in docs) + 4, MAX_CAPTION_TOKENS)
 
     def decode(prompts) -> list[str]:
         ids = greedy_captions(model, prompts, max_new_tokens=max_new_tokens, eos_id=EOS_ID, patch_width=patch_width)
