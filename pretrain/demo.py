@@ -62,10 +62,11 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
         launch += ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     train = corpus / "train"
     # Two shard sets mixed by weight: the synthetic captioned shapes and clips are short (~40
-    # tokens) and the real stdlib code and docs long (~3,500), so per-document weights of 250:1
-    # give the captions about three quarters of the tokens, enough to learn to read pixels.
+    # tokens) and the real stdlib code and docs long (~3,500), so per-document weights of 1000:1
+    # give the captions about nine tenths of the tokens. At 250:1 (three quarters) the demo's
+    # budget left shape and motion direction short; BENCHMARKS.md "Positions for images and video".
     train_overrides = [
-        f"data.sources=[{{path: {shards / 'synthetic'}, weight: 250}}, {{path: {shards / 'real'}, weight: 1}}]",
+        f"data.sources=[{{path: {shards / 'synthetic'}, weight: 1000}}, {{path: {shards / 'real'}, weight: 1}}]",
         f"data.eval_sources=[{{path: {shards / 'heldout'}}}]",
         f"data.tokenizer={tok}",
         f"train.run_dir={run}",
@@ -212,15 +213,15 @@ def _summary(out: Path, timings: dict) -> None:
 def register(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="run the whole pipeline on an embedded demo corpus (CPU; ~3 minutes on an idle 2-core machine)",
+        help="run the whole pipeline on an embedded demo corpus (CPU; under 5 minutes on an idle 2-core machine)",
         description="Demo corpus -> data build -> tokenizer train -> `omniloom launch` (accelerate) training of a tiny "
-        "sparse-attention MoE -> eval -> export -> generate from an image -> HTML report. Takes about 3 minutes "
-        "on an idle 2-core machine (2 min 58 s measured, training 2 min 42 s of it; BENCHMARKS.md), several times "
-        "longer when other jobs share the cores. Training shows a progress bar on a terminal, else a line every "
+        "sparse-attention MoE -> eval (held-out loss, cross-modal gap, captions from the pixels) -> export -> "
+        "generate from an image -> HTML report. Takes under 5 minutes on an idle 2-core machine (4 min 38 s "
+        "measured, training 4 min 1 s of it; BENCHMARKS.md), several times longer when other jobs share the cores. Training shows a progress bar on a terminal, else a line every "
         "30 s (step, loss, tokens/s, time left). Finished stages are skipped on a re-run (use --fresh to start over).",
     )
     p.add_argument("--out", default="demo_out", help="folder for every artifact (default: ./demo_out)")
-    p.add_argument("--steps", type=int, default=500, help="training steps (default 500)")
+    p.add_argument("--steps", type=int, default=900, help="training steps (default 900; a step is 2 packed 512-token sequences per process)")
     p.add_argument("--processes", type=int, default=2, help="data-parallel training processes (default 2)")
     p.add_argument("--fresh", action="store_true", help="delete --out first")
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides for training, e.g. model.num_layers=2")

@@ -35,7 +35,7 @@ def test_every_stage_parses_with_the_real_cli(tmp_path):
             cfg = config_from_args(targs)
             assert cfg.train.num_steps == 7 and cfg.model.num_layers == 2
             assert cfg.checkpoint.resume == "auto"  # an interrupted demo continues its training
-            assert [s.weight for s in cfg.data.sources] == [250.0, 1.0]
+            assert [s.weight for s in cfg.data.sources] == [1000.0, 1.0]
             assert stage.done_when.name == "step_00000007"
     export = next(st for st in stages if st.name == "export")
     assert "--force" in export.argv  # an export cut off before config.json is redone, not refused
@@ -76,6 +76,18 @@ def test_full_demo_learns_to_read_pixels(tmp_path):
     assert "omniloom demo: done" in proc.stdout
     ev = json.loads((out / "eval.json").read_text())
     assert ev["cross_modal_gap"]["image"] >= 1.0 and ev["cross_modal_gap"]["video"] > 0
+    # The demo's model reads where things are and which way they move (issue 29): the old
+    # `sections` layout gave rows 45%, columns 42%, direction 35%, mirroring changed 20% of the
+    # column words; the shipped demo (900 steps) measured rows and columns 99.5%, direction 97%,
+    # mirror 99%, reverse 91%, exact 75% (BENCHMARKS.md). The bounds leave room for run-to-run
+    # spread, not for a model blind to layout.
+    cap = ev["captions"]
+    img, vid = cap["attributes"]["image"], cap["attributes"]["video"]
+    assert cap["docs"] == {"image": 200, "video": 100}
+    assert min(img["row"]["accuracy"], img["column"]["accuracy"]) >= 0.9, img
+    assert img["colour"]["accuracy"] >= 0.95 and vid["direction"]["accuracy"] >= 0.85, (img, vid)
+    assert cap["exact"]["image"] >= 0.6 and cap["probes"]["mirror"]["column_changed"] >= 0.9, cap["exact"]
+    assert cap["probes"]["reverse"]["direction_changed"] >= 0.85, cap["probes"]["reverse"]
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/loss/text" in r]
     assert evals[0]["step"] == 0 and evals[-1]["eval/loss/text"] < evals[0]["eval/loss/text"]
