@@ -3,7 +3,8 @@
 The measurements run in fresh processes (`python -m omniloom.pretrain.bench_threads --worker
 ...`) that start as a user's `omniloom eval`, `generate` or `train` does: `import omniloom.pretrain`
 sets OpenMP's wait policy before torch loads, and each workload's default thread count is chosen
-as its command chooses it (pretrain/threads.py); then the workload is timed at each --threads
+as its command chooses it (pretrain/threads.py: the count from the cores, then kept or dropped for 1
+thread by timing the first units of work); then the workload is timed at each --threads
 value (the default's count among them) in turn, four times round, so that every setting sees the
 same machine. The workloads, on the `tiny` preset's model with random weights:
 
@@ -120,6 +121,7 @@ def _worker(workloads: list[str], settings: list[int], seconds: float, rounds: i
 
     import torch
 
+    from . import threads as T
     from .threads import choose_threads, configure_threads, wait_policy
 
     out = {}
@@ -129,8 +131,18 @@ def _worker(workloads: list[str], settings: list[int], seconds: float, rounds: i
             if workload == "train":  # the Trainer chooses (train.num_threads) as `omniloom train` does
                 step = _train_step(tmp, settings[0])
             else:  # as `omniloom eval` / `generate` do, before loading the model
-                configure_threads(settings[0], option="--threads", quiet=True)
+                configure_threads(settings[0], option="--threads", quiet=True, tune=True)
                 step = _eval_step() if workload == "eval" else _generate_step()
+            started = torch.get_num_threads()
+            # the command's own choice: it times its first units of work (threads.ThreadTuner) until it keeps a count
+            for _ in range(1000):
+                if T._TUNER is None or T._TUNER.chosen is not None:
+                    break
+                if workload == "generate":  # generate() times its decode steps itself
+                    step()
+                else:  # one eval forward or one optimizer step is the unit, as in `omniloom eval` / `train`
+                    with T.tuned():
+                        step()
             chosen = torch.get_num_threads()
             counts = sorted({chosen, *(s for s in settings if s)})
             got: dict[int, list[float]] = {n: [] for n in counts}
@@ -141,7 +153,10 @@ def _worker(workloads: list[str], settings: list[int], seconds: float, rounds: i
             out[workload] = {"unit": unit, "lower_is_better": lower,
                              "values": {str(n): statistics.median(v) for n, v in got.items()},
                              "spread": {str(n): max(v) / min(v) for n, v in got.items()}, "chosen": chosen,
-                             "reason": f"{choose_threads(0, num_workers=0).reason}; waiting threads: {wait_policy()}"}
+                             "reason": f"{choose_threads(0, num_workers=0).reason}: started at {started}"
+                                       + (f", timed {', '.join(f'{k}: {1e3 * statistics.median(v):.3g} ms' for k, v in T._TUNER.times.items())}"
+                                          f" per unit, kept {chosen}" if T._TUNER is not None else "")
+                                       + f"; waiting threads: {wait_policy()}"}
     return out
 
 
@@ -231,8 +246,9 @@ def run(args) -> int:
             widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
             for r in [header, *rows]:
                 print("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
-    print("\nfigures: medians over the rounds; default: the count the command chose at start, timed as --threads of that\n"
-          "count (the same process, the same configuration); noise: the largest over the smallest round of any setting\n"
+    print("\nfigures: medians over the rounds; default: the count the command kept after timing its first units of work\n"
+          "(1 thread against the count from the cores), timed as --threads of that count (the same process, the same\n"
+          "configuration; the units it spent timing are not in the figure); noise: the largest over the smallest round of any setting\n"
           "(one setting measured again: ratios below it are not distinguishable on this machine)")
     print("why the default chose its count (each worker's own line):")
     for line in reasons:

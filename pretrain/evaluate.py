@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .threads import tuned
+
 log = logging.getLogger(__name__)
 
 MODALITY_NAMES = ("text", "code", "image", "video", "special")
@@ -156,7 +158,8 @@ def _token_losses(model, doc, max_len: int, patch_width: int, coverage: list | N
         make_layout = getattr(model, "batch_layout", None)  # read on the host copy: no device sync
         layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
         batch = batch.to(dev)
-        out = model(**batch.as_dict(), return_logits=True, **({"layout": layout} if layout is not None else {}))
+        with tuned(len(piece)):  # the first pieces choose the thread count when nobody did (threads.py)
+            out = model(**batch.as_dict(), return_logits=True, **({"layout": layout} if layout is not None else {}))
         if coverage is not None and getattr(out, "block_coverage", None) is not None:
             coverage.append((out.block_coverage.double().cpu(), len(piece)))
         labels = batch.labels[0]

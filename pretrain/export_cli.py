@@ -29,7 +29,7 @@ def _set_threads(n: int | None) -> None:
 
     if n is not None and n < 1:
         raise ValueError("--threads must be >= 1")
-    configure_threads(n or 0, option="--threads")
+    configure_threads(n or 0, option="--threads", tune=True)
 
 
 def _eval(args) -> int:

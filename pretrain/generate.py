@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .threads import tuned
+
 log = logging.getLogger(__name__)
 
 
@@ -199,10 +201,11 @@ def _generate(model, prompt: Prompt, *, max_new_tokens, temperature, top_p, gen,
             break
         if len(new) == max_new_tokens:
             break
-        if dec is not None:
-            logits = dec.step(torch.tensor([token], device=dev), _modality_of(token))
-        else:
-            logits = _full_logits(model, prompt, new)
+        with tuned():  # the first decode steps choose the thread count when nobody did (threads.py)
+            if dec is not None:
+                logits = dec.step(torch.tensor([token], device=dev), _modality_of(token))
+            else:
+                logits = _full_logits(model, prompt, new)
     if bar is not None:
         bar.close()
     return Generation(ids=new, prompt_tokens=prompt.length, stopped_by=stopped, seconds=time.perf_counter() - t0,

@@ -29,15 +29,28 @@ user set OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME (OMP_WAIT_POLICY=ACTIV
 spinning back on a dedicated machine). Capping the count at the cores other work leaves free was
 measured too and is not done: with one busy process per core it chose 1 thread, 2-3x slower than 2.
 
+The count from the cores is where a run starts, not always where it stays. On a quiet 2-core
+machine the `tiny` model's eval, generate and train steps ran 1.06-1.57x faster on 1 thread
+than on 2 (small matrices: waking the second thread costs more than it saves), while beside busy
+processes 2 threads were up to 2.2x faster than 1. No fixed count wins both, so when nobody
+chose the count (no --threads, train.num_threads or OMP_NUM_THREADS) and it is above 1 on a
+machine without CUDA, the command times its first units of real work (decode steps, eval
+documents, optimizer steps) at 1 thread and at the count from the cores in turn, and keeps the
+faster (`ThreadTuner`; one log line says what it measured and kept). It costs a few units at the
+slower count.
+
 `omniloom bench threads` measures the default against every --threads value, idle and with one
 busy process per core beside it (figures in BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,16 +149,89 @@ def choose_threads(requested: int = 0, *, num_workers: int = 0, env=None, cores:
     return ThreadChoice(n, why)
 
 
+class ThreadTuner:
+    """Keeps the fastest of `candidates` thread counts, timed on the first units of real work.
+
+    Each `with tuner.unit(work):` block runs at the next candidate in turn (round robin); the
+    first unit at each candidate is a warm-up and not counted; once every candidate has `trials`
+    timed units, the count with the least median time per unit of `work` (tokens, documents,
+    steps) is set for good and logged. After that `unit()` does nothing."""
+
+    def __init__(self, candidates: list[int], *, trials: int = 3, quiet: bool = False,
+                 clock=time.perf_counter, set_threads=None):
+        if not candidates or min(candidates) < 1 or trials < 1:
+            raise ValueError(f"ThreadTuner needs thread counts >= 1 and trials >= 1, got {candidates}, {trials}")
+        if set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
+        self.candidates = sorted(set(candidates))
+        self.trials, self.quiet, self._clock, self._set = trials, quiet, clock, set_threads
+        self.times: dict[int, list[float]] = {n: [] for n in self.candidates}
+        self._warm: set[int] = set()
+        self._turn = 0
+        self.chosen: int | None = self.candidates[0] if len(self.candidates) == 1 else None
+        if self.chosen is not None:
+            self._set(self.chosen)
+
+    @contextlib.contextmanager
+    def unit(self, work: float = 1.0):
+        if self.chosen is not None:
+            yield
+            return
+        n = self.candidates[self._turn % len(self.candidates)]
+        self._turn += 1
+        self._set(n)
+        t0 = self._clock()
+        yield
+        dt = self._clock() - t0
+        if n in self._warm:
+            self.times[n].append(dt / max(work, 1e-9))
+        else:
+            self._warm.add(n)
+        if all(len(v) >= self.trials for v in self.times.values()):
+            medians = {k: statistics.median(v) for k, v in self.times.items()}
+            self.chosen = min(self.candidates, key=lambda k: (medians[k], k))
+            self._set(self.chosen)
+            if not self.quiet:
+                log.info("torch threads per process: kept %d, the fastest on this machine now (median per unit of work: %s; "
+                         "%d units timed at each; --threads N or OMP_NUM_THREADS fixes the count)", self.chosen,
+                         ", ".join(f"{k} thread(s) {1e3 * m:.3g} ms" for k, m in medians.items()), self.trials)
+
+
+_TUNER: ThreadTuner | None = None
+
+
+def tuned(work: float = 1.0):
+    """Wrap one unit of a command's hot loop: times it while the thread count is being chosen
+    (configure_threads(..., tune=True) without an explicit count), else does nothing."""
+    return _TUNER.unit(work) if _TUNER is not None else contextlib.nullcontext()
+
+
+def tune_candidates(threads: int) -> list[int]:
+    """The counts a tuner compares: 1 and the count from the cores."""
+    return sorted({1, threads})
+
+
 def configure_threads(requested: int = 0, *, num_workers: int = 0, quiet: bool = False,
-                      option: str = "train.num_threads") -> int:
-    """Choose (choose_threads) and apply the thread count; log it in one line. Returns it."""
+                      option: str = "train.num_threads", tune: bool = False) -> int:
+    """Choose (choose_threads) and apply the thread count; log it in one line. Returns it.
+    With `tune`, a count from the cores (not an explicit one) above 1 on a machine without CUDA
+    is only the start: `tuned()` units then time 1 thread against it and keep the faster."""
     import torch
 
+    global _TUNER
     choice = choose_threads(requested, num_workers=num_workers, option=option)
     torch.set_num_threads(choice.threads)
+    explicit = choice.reason.startswith("set by")
+    _TUNER = None
+    if tune and not explicit and choice.threads > 1 and not torch.cuda.is_available():
+        _TUNER = ThreadTuner(tune_candidates(choice.threads), quiet=quiet)
+        torch.set_num_threads(choice.threads)
     if not quiet:
         how = f"{option} N" if option.startswith("--") else f"{option}=N"
-        log.info("torch threads per process: %d (%s; override with %s or OMP_NUM_THREADS); waiting threads: %s",
-                 choice.threads, choice.reason, how, wait_policy())
+        then = (f", timing 1 and {choice.threads} on the first units of work and keeping the faster" if _TUNER is not None else "")
+        log.info("torch threads per process: %d (%s%s; override with %s or OMP_NUM_THREADS); waiting threads: %s",
+                 choice.threads, choice.reason, then, how, wait_policy())
     return choice.threads
 

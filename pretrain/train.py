@@ -48,7 +48,7 @@ from .expert_parallel import find_plan, shard_range
 from .parallel import apply_parallelism, check_launch, seed_everything, set_deterministic
 from .preflight import check_step_memory, warn_ignored_settings
 from .runlock import claim_collective
-from .threads import configure_threads
+from .threads import configure_threads, tuned
 
 log = logging.getLogger("omniloom.train")
 
@@ -124,7 +124,7 @@ class Trainer:
         init_from = check_init_from(cfg.train.init_from)
         self.lifeline = arm_if_launched()  # a rank stops (saving) when its launcher dies
         configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
-                          quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0)
+                          quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0, tune=not cfg.train.deterministic)
         self.acc = make_accelerator(cfg)
         # the main process locks the run folder before anything in it is read, removed or written
         self._run_lock = claim_collective(self.acc, cfg.train.run_dir, resume=cfg.checkpoint.resume,
@@ -227,7 +227,8 @@ class Trainer:
                 logger.log(self.evaluate(), 0)  # the untrained baseline the held-out curves start from
             while self.step < cfg.train.num_steps:
                 t_step = time.perf_counter()
-                done = self.run_step()
+                with tuned():  # the first steps time 1 thread against the count from the cores (threads.py)
+                    done = self.run_step()
                 if done is None:  # a stop signal came while this step's batches were still being read
                     stopped_by = "signal"
                     self._stop_before_step()

@@ -85,11 +85,14 @@ def test_trainer_applies_train_num_threads(tmp_path, monkeypatch):
 
     seen = []
     monkeypatch.setattr(T, "make_accelerator", lambda cfg: (_ for _ in ()).throw(RuntimeError("stop")))
-    monkeypatch.setattr(T, "configure_threads", lambda n, **kw: seen.append((n, kw["num_workers"])))
+    monkeypatch.setattr(T, "configure_threads", lambda n, **kw: seen.append((n, kw["num_workers"], kw["tune"])))
     cfg = load_config("tiny", [f"train.run_dir={tmp_path}", "train.num_threads=3", "data.num_workers=2"])
     with pytest.raises(RuntimeError, match="stop"):
         T.Trainer(cfg, build_model=lambda c: None, build_loader=lambda *a: None)
-    assert seen == [(3, 2)]
+    cfg.train.deterministic = True  # a run asked to be reproducible keeps one count from its first step
+    with pytest.raises(RuntimeError, match="stop"):
+        T.Trainer(cfg, build_model=lambda c: None, build_loader=lambda *a: None)
+    assert seen == [(3, 2, True), (3, 2, False)]
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
@@ -152,3 +155,138 @@ def test_omniloom_processes_load_openmp_with_sleeping_threads():
     if "GOMP_SPINCOUNT" not in res.stderr:
         pytest.skip("this torch's OpenMP runtime is not libgomp (no GOMP_SPINCOUNT in OMP_DISPLAY_ENV)")
     assert "GOMP_SPINCOUNT = '0'" in res.stderr and "OMP_WAIT_POLICY = 'PASSIVE'" in res.stderr, res.stderr
+
+
+class _FakeClock:
+    """A clock whose units take `cost[threads]` seconds (the first unit at each count `warm` more)."""
+
+    def __init__(self, cost: dict[int, float], warm: float = 100.0):
+        self.cost, self.warm, self.now, self.threads, self.seen = cost, warm, 0.0, 0, set()
+        self.sets: list[int] = []
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+        self.sets.append(n)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self) -> None:
+        self.now += self.cost[self.threads] + (0.0 if self.threads in self.seen else self.warm)
+        self.seen.add(self.threads)
+
+
+@pytest.mark.parametrize("cost, kept", [({1: 0.03, 2: 0.05}, 1), ({1: 0.05, 2: 0.03}, 2), ({1: 0.04, 2: 0.04}, 1)])
+def test_tuner_keeps_the_count_that_ran_its_units_fastest(cost, kept, caplog):
+    """Issue 28 item 1: on a quiet 2-core machine 1 thread beat 2 for small models, beside busy
+    processes 2 beat 1; the command times its first units at each and keeps the faster (a tie
+    keeps the fewer threads). The first unit at each count is a warm-up and not counted."""
+    from omniloom.pretrain.threads import ThreadTuner
+
+    clock = _FakeClock(cost, warm=100.0)  # each count's slow first unit must not count (nor settle it early)
+    tuner = ThreadTuner([2, 1], trials=3, clock=clock, set_threads=clock.set_threads)
+    with caplog.at_level(logging.INFO, logger="omniloom.threads"):
+        for _ in range(8):  # (1 warm-up + 3 timed) x 2 counts
+            assert tuner.chosen is None
+            with tuner.unit():
+                clock.work()
+    assert tuner.chosen == kept and clock.threads == kept
+    assert clock.sets == [1, 2, 1, 2, 1, 2, 1, 2, kept]  # in turn while timing, then the kept count
+    assert [len(v) for v in tuner.times.values()] == [3, 3]
+    lines = [r.getMessage() for r in caplog.records if r.name == "omniloom.threads"]
+    assert len(lines) == 1 and f"kept {kept}" in lines[0] and "1 thread(s)" in lines[0], lines
+    for _ in range(3):  # settled: the units run at the kept count, untimed
+        with tuner.unit():
+            clock.work()
+    assert clock.sets[-1] == kept and len(clock.sets) == 9
+
+
+def test_tuner_divides_by_the_work_of_each_unit():
+    """Eval's units are documents of different lengths: time per token decides, not per document."""
+    from omniloom.pretrain.threads import ThreadTuner
+
+    now = [0.0]
+    threads = [0]
+    tuner = ThreadTuner([1, 2], trials=2, clock=lambda: now[0], set_threads=lambda n: threads.__setitem__(0, n))
+    # 1 thread: 1 ms per token; 2 threads: 0.8 ms per token, but its documents are 4x longer
+    for _ in range(3):
+        for tokens in (100, 400):
+            with tuner.unit(work=tokens):
+                now[0] += tokens * (1e-3 if threads[0] == 1 else 0.8e-3)
+    assert tuner.chosen == 2
+
+
+def test_configure_tunes_only_a_count_nobody_chose(monkeypatch):
+    from omniloom.pretrain import threads as T
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(T, "available_cores", lambda: 4)
+    try:
+        assert T.configure_threads(0, tune=True, quiet=True) == 4
+        assert T._TUNER is not None and T._TUNER.candidates == [1, 4] and T._TUNER.chosen is None
+        assert T.configure_threads(0, quiet=True) == 4 and T._TUNER is None  # tune not asked (the default)
+        assert T.configure_threads(2, tune=True, quiet=True) == 2 and T._TUNER is None  # --threads 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert T.configure_threads(0, tune=True, quiet=True) == 3 and T._TUNER is None
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert T.configure_threads(0, num_workers=3, tune=True, quiet=True) == 1 and T._TUNER is None  # nothing to compare
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # host threads are not a GPU run's step time
+        assert T.configure_threads(0, tune=True, quiet=True) == 4 and T._TUNER is None
+    finally:
+        T._TUNER = None
+        torch.set_num_threads(before)
+
+
+def test_generate_chooses_its_thread_count_on_its_first_decode_steps(monkeypatch):
+    """`omniloom generate` without --threads: the decode steps time 1 and 2 threads, keep one, and
+    the tokens are those of a run at a fixed count."""
+    from omniloom.model import OmniModel
+    from omniloom.pretrain import threads as T
+    from omniloom.pretrain.bench import synthetic_config
+    from omniloom.pretrain.config import load_config
+    from omniloom.pretrain.generate import Prompt, generate
+
+    cfg = synthetic_config(load_config("tiny")).model
+    torch.manual_seed(0)
+    model = OmniModel(cfg).eval()
+    S, width = 16, max(cfg.patch_dim, cfg.tubelet_dim)
+    prompt = Prompt(input_ids=torch.randint(300, cfg.vocab_size, (1, S)),
+                    positions=torch.arange(S, dtype=torch.int32).view(1, 1, S).expand(1, 3, S).contiguous(),
+                    modality=torch.zeros(1, S, dtype=torch.uint8), block_ids=torch.full((1, S), -1, dtype=torch.int32),
+                    patches=torch.zeros(0, width), patch_kind=torch.zeros(0, dtype=torch.uint8), grids=[])
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(T, "available_cores", lambda: 2)
+    try:
+        T.configure_threads(1, quiet=True)
+        fixed = generate(model, prompt, max_new_tokens=12, use_cache=True, eos_id=-1).ids
+        T.configure_threads(0, tune=True, quiet=True)
+        tuned = generate(model, prompt, max_new_tokens=12, use_cache=True, eos_id=-1).ids
+        assert T._TUNER is not None and T._TUNER.chosen in (1, 2)
+        assert torch.get_num_threads() == T._TUNER.chosen
+        assert tuned == fixed
+    finally:
+        T._TUNER = None
+        torch.set_num_threads(before)
+
+
+def test_bench_threads_times_the_count_its_command_kept():
+    """`omniloom bench threads`' worker starts as `omniloom generate` does (no --threads), lets it
+    time its first decode steps and keep a count, then times that count beside --threads 1."""
+    import json
+    import subprocess
+    import sys
+
+    from omniloom.pretrain.threads import available_cores
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_NUM_THREADS"}
+    res = subprocess.run([sys.executable, "-m", "omniloom.pretrain.bench_threads", "--worker", "generate",
+                          "--settings", "0,1", "--seconds", "0.2", "--rounds", "1"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])["generate"]
+    assert str(out["chosen"]) in out["values"] and "1" in out["values"]
+    if available_cores() > 1:
+        assert f"started at {available_cores()}" in out["reason"] and f"kept {out['chosen']}" in out["reason"], out["reason"]
+        assert out["chosen"] in (1, available_cores())
