@@ -64,21 +64,29 @@ def _eval_step():
     return step
 
 
-def _generate_step():
+def tiny_text_prompt(prompt_tokens: int = 64):
+    """The `tiny` model with random weights (seed 0) and a random text prompt: (model, Prompt)."""
     import torch
 
     from omniloom.model import OmniModel
 
-    from .generate import Prompt, generate
+    from .generate import Prompt
 
     cfg = _model_config()
     torch.manual_seed(0)
     model = OmniModel(cfg).eval()
-    S, width = 64, max(cfg.patch_dim, cfg.tubelet_dim)
+    S, width = prompt_tokens, max(cfg.patch_dim, cfg.tubelet_dim)
     prompt = Prompt(input_ids=torch.randint(300, cfg.vocab_size, (1, S)),
                     positions=torch.arange(S, dtype=torch.int32).view(1, 1, S).expand(1, 3, S).contiguous(),
                     modality=torch.zeros(1, S, dtype=torch.uint8), block_ids=torch.full((1, S), -1, dtype=torch.int32),
                     patches=torch.zeros(0, width), patch_kind=torch.zeros(0, dtype=torch.uint8), grids=[])
+    return model, prompt
+
+
+def _generate_step():
+    from .generate import generate
+
+    model, prompt = tiny_text_prompt(64)
 
     def step() -> int:  # the prompt's prefill included, as in `omniloom generate`
         return len(generate(model, prompt, max_new_tokens=16, use_cache=True, eos_id=-1).ids)

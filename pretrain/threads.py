@@ -227,7 +227,6 @@ def configure_threads(requested: int = 0, *, num_workers: int = 0, quiet: bool =
     _TUNER = None
     if tune and not explicit and choice.threads > 1 and not torch.cuda.is_available():
         _TUNER = ThreadTuner(tune_candidates(choice.threads), quiet=quiet)
-        torch.set_num_threads(choice.threads)
     if not quiet:
         how = f"{option} N" if option.startswith("--") else f"{option}=N"
         then = (f", timing 1 and {choice.threads} on the first units of work and keeping the faster" if _TUNER is not None else "")

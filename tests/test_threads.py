@@ -241,20 +241,11 @@ def test_configure_tunes_only_a_count_nobody_chose(monkeypatch):
 def test_generate_chooses_its_thread_count_on_its_first_decode_steps(monkeypatch):
     """`omniloom generate` without --threads: the decode steps time 1 and 2 threads, keep one, and
     the tokens are those of a run at a fixed count."""
-    from omniloom.model import OmniModel
     from omniloom.pretrain import threads as T
-    from omniloom.pretrain.bench import synthetic_config
-    from omniloom.pretrain.config import load_config
-    from omniloom.pretrain.generate import Prompt, generate
+    from omniloom.pretrain.bench_threads import tiny_text_prompt
+    from omniloom.pretrain.generate import generate
 
-    cfg = synthetic_config(load_config("tiny")).model
-    torch.manual_seed(0)
-    model = OmniModel(cfg).eval()
-    S, width = 16, max(cfg.patch_dim, cfg.tubelet_dim)
-    prompt = Prompt(input_ids=torch.randint(300, cfg.vocab_size, (1, S)),
-                    positions=torch.arange(S, dtype=torch.int32).view(1, 1, S).expand(1, 3, S).contiguous(),
-                    modality=torch.zeros(1, S, dtype=torch.uint8), block_ids=torch.full((1, S), -1, dtype=torch.int32),
-                    patches=torch.zeros(0, width), patch_kind=torch.zeros(0, dtype=torch.uint8), grids=[])
+    model, prompt = tiny_text_prompt(16)
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(T, "available_cores", lambda: 2)
