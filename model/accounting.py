@@ -39,9 +39,21 @@ def _ffn_params(cfg: ModelConfig, layer: int, *, active: bool) -> int:
     return n
 
 
+def _visual_embedding_params(cfg: ModelConfig, in_dim: int) -> int:
+    """One visual projection: linear from the pixels, or the conv stem (model/embeddings.py
+    ConvStem, width 16) and a linear from its features."""
+    if cfg.patch_stem != "conv":
+        return in_dim * cfg.dim
+    p, width = round((cfg.patch_dim / 3) ** 0.5), 16
+    side = (((p + 1) // 2) + 1) // 2
+    channels = 3 * (in_dim // cfg.patch_dim)
+    return channels * width * 9 + width * 2 * width * 9 + 2 * width * side * side * cfg.dim
+
+
 def _embedding_params(cfg: ModelConfig) -> int:
     # token embedding, untied output head, image patch and video tubelet embeddings
-    return 2 * cfg.vocab_size * cfg.dim + (cfg.patch_dim + cfg.tubelet_dim) * cfg.dim
+    return (2 * cfg.vocab_size * cfg.dim + _visual_embedding_params(cfg, cfg.patch_dim)
+            + _visual_embedding_params(cfg, cfg.tubelet_dim))
 
 
 def num_params(cfg: ModelConfig) -> int:

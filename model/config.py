@@ -11,6 +11,7 @@ alone lives in `omniloom.model.accounting`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -125,6 +126,9 @@ class ModelConfig:
     # > 0: learned absolute (time, row, column) embeddings added to patch embeddings, this many
     # entries per axis (NaViT / AIMv2 style); 0: position through the rotary embedding alone
     visual_pos_max: int = 0
+    # how a patch's pixels become its embedding: "linear" (one projection, ViT) or "conv" (two 3x3
+    # stride-2 convolutions with GELU before the projection, an early-convolution stem)
+    patch_stem: Literal["linear", "conv"] = "linear"
     patch_dim: int = 3 * 16 * 16
     tubelet_dim: int = 3 * 2 * 16 * 16
     norm_eps: float = 1e-6
@@ -183,6 +187,13 @@ class ModelConfig:
             raise ValueError(f"model.rope_layout='{self.rope_layout}': choose one of {', '.join(ROPE_LAYOUTS)}")
         if self.visual_pos_max < 0:
             raise ValueError(f"model.visual_pos_max={self.visual_pos_max} must be >= 0 (0: no learned visual positions)")
+        if self.patch_stem not in ("linear", "conv"):
+            raise ValueError(f"model.patch_stem='{self.patch_stem}': choose linear or conv")
+        if self.patch_stem == "conv":
+            p = round(math.sqrt(self.patch_dim / 3))
+            if 3 * p * p != self.patch_dim or self.tubelet_dim % self.patch_dim:
+                raise ValueError(f"model.patch_stem=conv needs patch_dim = 3 * p * p and tubelet_dim a multiple of it, "
+                                 f"got {self.patch_dim} and {self.tubelet_dim}")
         if not att.pattern or set(att.pattern) - set(LAYER_KINDS):
             raise ValueError(f"model.attention.pattern='{att.pattern}' may only use L (window), G (global), B (block top-k)")
         if att.window < 1 or att.block_size < 1 or att.num_selected_blocks < 1:

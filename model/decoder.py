@@ -107,6 +107,7 @@ class OmniModel(nn.Module):
         self.embed = MultimodalEmbedding(
             vocab_size=cfg.vocab_size, dim=cfg.dim, patch_dim=cfg.patch_dim,
             tubelet_dim=cfg.tubelet_dim, patch_token_id=cfg.patch_token_id, visual_pos_max=cfg.visual_pos_max,
+            patch_stem=cfg.patch_stem,
         )
         self.layers = nn.ModuleList(Block(cfg, i, kind, self.ops, expert_range)
                                     for i, kind in enumerate(cfg.layer_kinds()))
@@ -141,6 +142,8 @@ class OmniModel(nn.Module):
                 del full
             elif p.dim() == 1:
                 p.fill_(1.0)  # RMSNorm and QK-norm weights
+            elif "_stem.conv" in name:
+                nn.init.kaiming_normal_(p, nonlinearity="relu")  # the patch stem's convolutions keep their scale
             elif name.endswith("wo.weight") or "w_down" in name:
                 nn.init.normal_(p, std=out_std)
             else:

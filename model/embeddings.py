@@ -10,10 +10,29 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .config import ROPE_LAYOUTS
 
 IMAGE, VIDEO = 2, 3  # modality codes of tokenizers/layout.py (the model imports nothing from there)
+
+
+class ConvStem(nn.Module):
+    """Two 3x3 stride-2 convolutions with GELU over one patch's pixels, flattened: the
+    early-convolution stem (Xiao et al. 2021) run inside each patch. A row of the patch matrix
+    is (channels x frames, p, p) in that order (tokenizers/image.py), so frames become channels."""
+
+    def __init__(self, in_channels: int, p: int, width: int = 16):
+        super().__init__()
+        self.in_channels, self.p = in_channels, p
+        self.conv1 = nn.Conv2d(in_channels, width, 3, stride=2, padding=1, bias=False)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False)
+        side = (((p + 1) // 2) + 1) // 2
+        self.out_features = 2 * width * side * side
+
+    def forward(self, x_PD: torch.Tensor) -> torch.Tensor:
+        x = x_PD.reshape(-1, self.in_channels, self.p, self.p)
+        return F.gelu(self.conv2(F.gelu(self.conv1(x)))).flatten(1)
 
 
 class MultimodalEmbedding(nn.Module):
@@ -25,9 +44,17 @@ class MultimodalEmbedding(nn.Module):
     within its block (coordinates past `visual_pos_max - 1` share the last entry)."""
 
     def __init__(self, *, vocab_size: int, dim: int, patch_dim: int, tubelet_dim: int, patch_token_id: int,
-                 visual_pos_max: int = 0):
+                 visual_pos_max: int = 0, patch_stem: str = "linear"):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, dim)
+        self.patch_in, self.tubelet_in = patch_dim, tubelet_dim
+        if patch_stem == "conv":
+            p = round((patch_dim / 3) ** 0.5)
+            self.patch_stem = ConvStem(3, p)
+            self.tubelet_stem = ConvStem(3 * (tubelet_dim // patch_dim), p)
+            patch_dim, tubelet_dim = self.patch_stem.out_features, self.tubelet_stem.out_features
+        else:
+            self.patch_stem = self.tubelet_stem = None
         self.patch = nn.Linear(patch_dim, dim, bias=False)
         self.tubelet = nn.Linear(tubelet_dim, dim, bias=False)
         self.patch_token_id = patch_token_id
@@ -59,23 +86,23 @@ class MultimodalEmbedding(nn.Module):
             # no patches in this batch: the projections still join the graph (empty GEMMs, an
             # exact zero), so every parameter gets a gradient each step and DDP needs no
             # find_unused_parameters search
-            idle = self.patch(x_BSD.new_zeros(0, self.patch.in_features)).sum()
-            idle = idle + self.tubelet(x_BSD.new_zeros(0, self.tubelet.in_features)).sum()
+            idle = self._image(x_BSD.new_zeros(0, self.patch_in)).sum()
+            idle = idle + self._video(x_BSD.new_zeros(0, self.tubelet_in)).sum()
             if self.visual_pos_max:
                 none = input_ids_BS.new_zeros(0)
                 idle = idle + (self.pos_t(none).sum() + self.pos_h(none).sum() + self.pos_w(none).sum())
             return x_BSD + idle.to(x_BSD.dtype)
-        need = max(self.patch.in_features, self.tubelet.in_features)
+        need = max(self.patch_in, self.tubelet_in)
         if patches_PDp.shape[1] < need:
             raise ValueError(
-                f"patch rows have {patches_PDp.shape[1]} values but need {need} (max of image {self.patch.in_features}, "
-                f"video {self.tubelet.in_features}): check model.patch_dim / model.tubelet_dim against the tokenizer settings"
+                f"patch rows have {patches_PDp.shape[1]} values but need {need} (max of image {self.patch_in}, "
+                f"video {self.tubelet_in}): check model.patch_dim / model.tubelet_dim against the tokenizer settings"
             )
         kind_P = patch_kind_P.to(torch.long)
         torch._assert_async(((kind_P == IMAGE) | (kind_P == VIDEO)).all(), f"patch_kind must be {IMAGE} (image) or {VIDEO} (video)")
         dt = self.patch.weight.dtype
-        img_PD = self.patch(patches_PDp[:, : self.patch.in_features].to(dt))
-        vid_PD = self.tubelet(patches_PDp[:, : self.tubelet.in_features].to(dt))
+        img_PD = self._image(patches_PDp[:, : self.patch_in].to(dt))
+        vid_PD = self._video(patches_PDp[:, : self.tubelet_in].to(dt))
         emb_PD = torch.where((kind_P == IMAGE).unsqueeze(1), img_PD, vid_PD).to(x_BSD.dtype)
         row_T = (is_patch_T.cumsum(0) - 1).clamp(min=0)
         emb_TD = emb_PD.index_select(0, row_T)
@@ -86,6 +113,12 @@ class MultimodalEmbedding(nn.Module):
         flat_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         flat_TD = torch.where(is_patch_T.unsqueeze(1), emb_TD, flat_TD)
         return flat_TD.view_as(x_BSD)
+
+    def _image(self, x_PD: torch.Tensor) -> torch.Tensor:
+        return self.patch(self.patch_stem(x_PD) if self.patch_stem is not None else x_PD)
+
+    def _video(self, x_PD: torch.Tensor) -> torch.Tensor:
+        return self.tubelet(self.tubelet_stem(x_PD) if self.tubelet_stem is not None else x_PD)
 
     def _grid_embedding(self, is_patch_BS: torch.Tensor, positions_B3S: torch.Tensor) -> torch.Tensor:
         """pos_t + pos_h + pos_w of every token's (time, row, column) within its visual block [B*S, D]

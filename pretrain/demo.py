@@ -216,8 +216,8 @@ def register(sub) -> None:
         help="run the whole pipeline on an embedded demo corpus (CPU; under 5 minutes on an idle 2-core machine)",
         description="Demo corpus -> data build -> tokenizer train -> `omniloom launch` (accelerate) training of a tiny "
         "sparse-attention MoE -> eval (held-out loss, cross-modal gap, captions from the pixels) -> export -> "
-        "generate from an image -> HTML report. Takes under 5 minutes on an idle 2-core machine (4 min 38 s "
-        "measured, training 4 min 1 s of it; BENCHMARKS.md), several times longer when other jobs share the "
+        "generate from an image -> HTML report. Takes under 5 minutes on an idle 2-core machine (4 min 43 s "
+        "measured, training 4 min 8 s of it; BENCHMARKS.md), several times longer when other jobs share the "
         "cores. Training shows a progress bar on a terminal, else a line every 30 s (step, loss, tokens/s, "
         "time left). Finished stages are skipped on a re-run (use --fresh to start over).",
     )

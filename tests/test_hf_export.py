@@ -29,10 +29,10 @@ NEW_TOKENS = 32
 # with a shared expert and modality groups (the allowed-expert table a meta-device load must refill)
 EXPORTS = {
     "pooled": dict(pattern="LGB", selector="pooled", modality_groups=True),
-    # ... and the position settings of issue 29 (interleaved M-RoPE, learned visual positions):
-    # config fields the Hugging Face side knows nothing about, carried by omniloom's own code
+    # ... and the settings of issue 29 (interleaved M-RoPE, learned visual positions, the conv
+    # patch stem): config fields the Hugging Face side knows nothing about, carried by omniloom's own code
     "indexer": dict(pattern="GBL", selector="indexer", modality_groups=False,
-                    extra=dict(rope_layout="interleaved", visual_pos_max=16)),
+                    extra=dict(rope_layout="interleaved", visual_pos_max=16, patch_stem="conv")),
 }
 LAYER_TASKS = ("omniloom_absent", "load", "logits", "loss_grads", "generate")
 TEXT_PROMPT = "The river bends twice"

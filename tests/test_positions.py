@@ -226,3 +226,57 @@ def test_resuming_under_other_position_settings_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"trained with model.rope_layout=sections.*use model.rope_layout=sections"):
         check_resume_positions(load_config("tiny", ["model.rope_layout=interleaved"]), ckpt)
     check_resume_positions(load_config("tiny", ["model.rope_layout=sections"]), ckpt)
+
+
+def test_the_conv_stem_reads_each_patch_row_as_the_tokenizers_pixels():
+    """`model.patch_stem: conv` (issue 29, what else limits learning) convolves each patch's pixels:
+    a row of the patch matrix must be read back as (channel x frame, y, x), the tokenizer's order
+    (tokenizers/image.py frames_to_patches), or the convolutions would slide over scrambled pixels."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from omniloom.model.embeddings import ConvStem
+    from omniloom.tokenizers.image import frames_to_patches
+    from omniloom.tokenizers.settings import MediaSettings
+
+    p, tp = 4, 2
+    settings = MediaSettings(patch_size=p, temporal_patch_size=tp)
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, size=(tp, 2 * p, 3 * p, 3), dtype=np.uint8)  # one tubelet group, 2 x 3 patches
+    rows, grid = frames_to_patches(frames, settings, temporal_patch_size=tp)
+    assert grid == (1, 2, 3)
+    torch.manual_seed(0)
+    stem = ConvStem(3 * tp, p)
+    mean, std = np.asarray(settings.pixel_mean, np.float32), np.asarray(settings.pixel_std, np.float32)
+    norm = (frames.astype(np.float32) / 255.0 - mean) / std  # [t, y, x, c]
+    for k, (hi, wi) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]):
+        crop = norm[:, hi * p:(hi + 1) * p, wi * p:(wi + 1) * p, :]  # [t, y, x, c]
+        img = torch.from_numpy(np.ascontiguousarray(crop.transpose(3, 0, 1, 2))).reshape(1, 3 * tp, p, p)  # c t y x
+        want = F.gelu(stem.conv2(F.gelu(stem.conv1(img)))).flatten(1)
+        torch.testing.assert_close(stem(torch.from_numpy(rows[k:k + 1])), want, atol=1e-5, rtol=1e-5)
+    assert stem.out_features == want.shape[1] == 32 * 1 * 1
+
+
+def test_a_conv_stem_model_counts_its_parameters_and_decodes_as_its_full_forward(tmp_path):
+    from omniloom.model.accounting import num_params
+    from omniloom.model.kv_cache import CachedDecoder
+    from omniloom.pretrain.generate import _full_logits, build_prompt, generate
+    from omniloom.tokenizers.testing import make_image_bytes, make_tiny_tokenizer, make_video_bytes
+
+    tok = make_tiny_tokenizer(tmp_path / "tok")
+    cfg = _cfg(vocab_size=tok.vocab_size, patch_token_id=tok.patch_id, patch_dim=tok.patch_dim,
+               tubelet_dim=tok.tubelet_dim, patch_stem="conv")
+    torch.manual_seed(0)
+    model = OmniModel(cfg).eval()
+    assert num_params(cfg) == sum(p.numel() for p in model.parameters())
+    assert model.embed.patch_stem is not None and model.embed.tubelet_stem.in_channels == 3 * (cfg.tubelet_dim // cfg.patch_dim)
+    prompt = build_prompt(tok, "a shape", image=make_image_bytes(32, 24),
+                          video=make_video_bytes(seconds=1.0, fps=4, width=32, height=16))
+    dec = CachedDecoder(model)
+    logits = dec.prefill(prompt.input_ids, prompt.positions, prompt.modality, prompt.block_ids, prompt.patches, prompt.patch_kind)
+    torch.testing.assert_close(logits, _full_logits(model, prompt, []), atol=2e-5, rtol=1e-5)
+    a = generate(model, prompt, max_new_tokens=8, use_cache=True, eos_id=-1)
+    b = generate(model, prompt, max_new_tokens=8, use_cache=False, eos_id=-1)
+    assert a.ids == b.ids
+    with pytest.raises(ValueError, match="patch_stem"):
+        _cfg(patch_stem="conv", patch_dim=10).validate()
