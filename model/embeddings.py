@@ -37,7 +37,8 @@ class ConvStem(nn.Module):
 
 class MultimodalEmbedding(nn.Module):
     """Token embedding, with the `<|patch|>` positions replaced by a linear embedding of their pixel
-    vectors: image patches through `patch`, video tubelets through `tubelet`.
+    vectors: image patches through `patch`, video tubelets through `tubelet` (with
+    `patch_stem="conv"`, of a ConvStem's features of the pixels instead).
 
     `visual_pos_max > 0` adds factorised learned absolute positions to every patch embedding
     (NaViT / AIMv2 style): `pos_t[ti] + pos_h[hi] + pos_w[wi]`, the patch's time, row and column
