@@ -35,24 +35,12 @@ _spec.loader.exec_module(standin)
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
-    """Each Trainer makes an Accelerator; accelerate keeps process-wide singletons between them."""
     yield
-    _reset()
+    standin.reset_accelerate()
 
 
-def _reset():
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True), GradientState._reset_state(), PartialState._reset_state()
-
-
-def _trainer(run_dir, *overrides, overwrite=False, build_model=None, build_loader=None, **builder_kwargs):
-    from omniloom.pretrain.train import Trainer
-
-    cfg = load_config(None, standin.base_overrides(run_dir) + ["data.num_workers=0"] + list(overrides))
-    bm, bl = standin.standin_builders(num_workers=0, **builder_kwargs)
-    return Trainer(cfg, build_model=build_model or bm, build_loader=build_loader or bl, progress=False,
-                   overwrite=overwrite)
+_reset = standin.reset_accelerate
+_trainer = standin.standin_trainer
 
 
 def _trained(run_dir, steps=2, every=1, keep_last=3):

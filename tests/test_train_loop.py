@@ -26,21 +26,11 @@ _spec.loader.exec_module(standin)
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
-    """Each Trainer makes an Accelerator; accelerate keeps process-wide singletons between them."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    standin.reset_accelerate()
 
 
-def _trainer(tmp_path, *overrides, overwrite=False, **builder_kwargs):
-    from omniloom.pretrain.train import Trainer
-
-    cfg = load_config(None, standin.base_overrides(tmp_path) + ["data.num_workers=0"] + list(overrides))
-    build_model, build_loader = standin.standin_builders(num_workers=0, **builder_kwargs)
-    return Trainer(cfg, build_model=build_model, build_loader=build_loader, progress=False, overwrite=overwrite)
+_trainer = standin.standin_trainer
 
 
 # ---- schedules and optimizer -------------------------------------------------------------------

@@ -224,6 +224,26 @@ def standin_builders(sleep=0.0, sigterm_at=None, nan_at_call=None, num_workers=2
     return build_model, build_loader
 
 
+def reset_accelerate() -> None:
+    """Each Trainer makes an Accelerator; accelerate keeps process-wide singletons between them."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def standin_trainer(run_dir, *overrides, overwrite=False, build_model=None, build_loader=None, **builder_kwargs):
+    """A Trainer over the stand-ins in this process (no DataLoader workers), with extra overrides."""
+    from omniloom.pretrain.config import load_config
+    from omniloom.pretrain.train import Trainer
+
+    cfg = load_config(None, base_overrides(run_dir) + ["data.num_workers=0"] + list(overrides))
+    bm, bl = standin_builders(num_workers=0, **builder_kwargs)
+    return Trainer(cfg, build_model=build_model or bm, build_loader=build_loader or bl, progress=False,
+                   overwrite=overwrite)
+
+
 def base_overrides(run_dir) -> list[str]:
     return [f"train.run_dir={run_dir}", "data.seq_len=16", "data.batch_size=4", "data.num_workers=2",
             "optim.lr=1e-2", "optim.warmup_steps=2", "logging.every=2", "logging.tensorboard=false",
