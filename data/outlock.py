@@ -40,14 +40,11 @@ class OutputLock:
     manager. Raises OutputLocked, naming the holder, when another process holds it.
 
     what: this holder, as the refusal message of a later process names it ("data build into X");
-    instead: the advice after "wait for it to finish" in that message;
-    busy_as: how the refusal calls the folder's state ("in use by another running")."""
+    instead: the advice after "wait for it to finish" in that message."""
 
-    def __init__(self, directory: str, what: str, *, instead: str = "or choose another --out",
-                 busy_as: str = "in use by another running"):
+    def __init__(self, directory: str, what: str, *, instead: str = "or choose another --out"):
         self.path = os.path.join(directory, LOCK)
-        self.directory, self.instead, self.busy_as = directory, instead, busy_as
-        self.taken_over: str | None = None  # the holder line of a dead holder whose lock file was left behind
+        self.directory, self.instead = directory, instead
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -76,7 +73,7 @@ class OutputLock:
         os.pwrite(fd, f"{what} (pid {os.getpid()} on host {socket.gethostname()}, started {stamp})\n".encode(), 0)
 
     def _refusal(self, holder: str) -> str:
-        return f"{self.directory} is {self.busy_as} {holder}; wait for it to finish, {self.instead}"
+        return f"{self.directory} is in use by another running {holder}; wait for it to finish, {self.instead}"
 
     def _note_leftover(self, line: str) -> None:
         """We hold the lock and the file still names a holder: that process ended without releasing
@@ -86,7 +83,6 @@ class OutputLock:
         pid, host = _parse_holder(line)
         if pid == os.getpid() and host == socket.gethostname():
             return  # this process locked the folder before (the same lock, taken again)
-        self.taken_over = line
         log.warning("%s: taking over the lock of %s, which ended without releasing it (killed?)", self.directory, line)
 
     def _without_lock_service(self, fd: int, err: OSError) -> None:

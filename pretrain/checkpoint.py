@@ -267,7 +267,7 @@ class CheckpointManager:
                 final = self._publish(step, tmp, final, digests)
                 log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
             except Exception as err:  # noqa: BLE001 - a full disk while writing COMPLETE
-                failed, cause = (rank, _describe_error(err, tmp), integrity.is_disk_full(err) or _nearly_full(tmp)), err
+                failed, cause = _failure(rank, err, tmp), err
         if self.acc.num_processes > 1:  # rank 0's outcome, to every rank (and the barrier after the rename)
             from accelerate.utils import broadcast_object_list
 
@@ -278,8 +278,7 @@ class CheckpointManager:
 
     def _agree_on_save(self, tmp: Path, digests: "integrity.Digests", failure: BaseException | None) -> None:
         """Share each rank's outcome and digests; raise on every rank when any rank failed."""
-        mine = None if failure is None else (self.acc.process_index, _describe_error(failure, tmp),
-                                             integrity.is_disk_full(failure) or _nearly_full(tmp))
+        mine = None if failure is None else _failure(self.acc.process_index, failure, tmp)
         if self.acc.num_processes > 1:
             from accelerate.utils import gather_object
 
@@ -378,14 +377,8 @@ class CheckpointManager:
         each rank hashes a share of the files). Raises ChecksumMismatch naming the files that
         differ; a checkpoint from before checksums is let through with a warning."""
         path = Path(path)
-        recorded = read_checksums(path)
-        if recorded is None:
-            if self.acc.is_main_process:
-                log.warning("%s was saved by an older omniloom without checksums: its files cannot be verified", path)
-            return
-        files = sorted(recorded)
         rank, world = self.acc.process_index, self.acc.num_processes
-        bad = integrity.mismatches(path, recorded, only=files[rank::world])
+        bad = _bad_files(path, lambda files: files[rank::world], warn=self.acc.is_main_process)
         if world > 1:
             from accelerate.utils import gather_object
 
@@ -497,15 +490,29 @@ def verify_files(path: str | Path, only: list[str] | None = None) -> None:
     """`CheckpointManager.verify` in one process, for readers without a process group (export,
     eval): the files `only` (relative paths; all by default) against the recorded checksums."""
     path = Path(path)
-    recorded = read_checksums(path)
-    if recorded is None:
-        log.warning("%s was saved by an older omniloom without checksums: its files cannot be verified", path)
-        return
-    if only is not None:
-        only = [rel for rel in recorded if any(rel == o or rel.startswith(o.rstrip("/") + "/") for o in only)]
-    bad = integrity.mismatches(path, recorded, only=only)
+    pick = None if only is None else (
+        lambda files: [rel for rel in files if any(rel == o or rel.startswith(o.rstrip("/") + "/") for o in only)])
+    bad = _bad_files(path, pick)
     if bad:
         raise mismatch_error(path, bad)
+
+
+def _bad_files(path: Path, pick=None, *, warn: bool = True) -> list[str]:
+    """The files of checkpoint `path` (those `pick` keeps of the sorted recorded names; all by
+    default) whose sha256 differs from its COMPLETE marker; none for a checkpoint saved before
+    checksums, which is let through (with a warning when `warn`)."""
+    recorded = read_checksums(path)
+    if recorded is None:
+        if warn:
+            log.warning("%s was saved by an older omniloom without checksums: its files cannot be verified", path)
+        return []
+    files = sorted(recorded)
+    return integrity.mismatches(path, recorded, only=files if pick is None else pick(files))
+
+
+def _failure(rank: int, err: BaseException, tmp: Path) -> tuple[int, str, bool]:
+    """A rank's save failure as shared between ranks: (rank, description, whether the disk is full)."""
+    return rank, _describe_error(err, tmp), integrity.is_disk_full(err) or _nearly_full(tmp)
 
 
 def _describe_error(err: BaseException, where: Path) -> str:

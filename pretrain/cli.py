@@ -41,6 +41,16 @@ COMMAND_MODULES = (
 # DiskFullError: a checkpoint save that filled the disk says so in one line (the data is intact)
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, DiskFullError)
 
+
+def user_error_line(err: BaseException) -> str | None:
+    """The one line for an error the user can act on (USER_ERRORS, or an OSError that is a full
+    disk: metrics, TensorBoard, a shard), else None (a bug: let it raise)."""
+    if isinstance(err, USER_ERRORS):
+        return f"error: {err}"
+    if isinstance(err, OSError) and is_disk_full(err):
+        return f"error: disk full: {err}"
+    return None
+
 log = logging.getLogger("omniloom")
 
 
@@ -202,15 +212,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except USER_ERRORS as err:
-        if args.verbose:
+    except (*USER_ERRORS, OSError) as err:
+        line = user_error_line(err)
+        if args.verbose or line is None:
             raise
-        print(f"omniloom: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        if args.verbose or not is_disk_full(err):
-            raise
-        print(f"omniloom: error: disk full: {err}", file=sys.stderr)
+        print(f"omniloom: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("omniloom: interrupted", file=sys.stderr)

@@ -35,9 +35,10 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _at_least("optim", self, lr=0.0, weight_decay=0.0, grad_clip=0.0, warmup_steps=0)
         _at_least("optim", self, eps=1e-30)
-        for name in ("min_lr_ratio", "decay_fraction"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"optim.{name} must be between 0 and 1, got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be between 0 and 1, got {self.min_lr_ratio}")
+        if not 0.0 < self.decay_fraction <= 1.0:  # wsd decays over this share of the steps: none is no decay
+            raise ValueError(f"optim.decay_fraction must be above 0 and at most 1, got {self.decay_fraction}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optim.betas must each be in [0, 1), got {list(self.betas)}")
 

@@ -63,24 +63,19 @@ class Lifeline:
         self.timeout_s = float(os.environ.get(_TIMEOUT_ENV, 600)) if timeout_s is None else timeout_s
         self.check_s = check_s
         self.orphaned_at: float | None = None
-        self.kernel = False
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def arm(self) -> "Lifeline":
-        self.kernel = _set_parent_death_signal(signal.SIGTERM)
+        _set_parent_death_signal(signal.SIGTERM)
         self._thread = threading.Thread(target=self._watch, name="omniloom-lifeline", daemon=True)
         self._thread.start()
         if os.getppid() != self.parent or not _launcher_alive():  # it died before prctl took effect
             self._orphaned()
         return self
 
-    @property
-    def orphaned(self) -> bool:
-        return self.orphaned_at is not None
-
     def _watch(self) -> None:
-        while not self._stop.wait(self.check_s):
+        while True:
+            time.sleep(self.check_s)
             if self.orphaned_at is None:
                 if os.getppid() != self.parent:
                     self._orphaned()
@@ -99,11 +94,6 @@ class Lifeline:
             os.kill(os.getpid(), signal.SIGTERM)
         except OSError:
             pass
-
-    def disarm(self) -> None:
-        self._stop.set()
-        if self.kernel:
-            _set_parent_death_signal(0)
 
 
 def _launcher_alive() -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import shutil
 from pathlib import Path
 
 from omniloom.data.outlock import OutputLock
@@ -69,16 +68,14 @@ def _metric_rows(path: Path) -> tuple[int, int | None]:
 def clear_run(run_dir: Path) -> list[str]:
     """Delete what omniloom train wrote in `run_dir` (RUN_OUTPUTS); other files stay. Links are
     removed, never followed. Returns the names deleted."""
+    from .checkpoint import remove_path
+
     gone = []
     for name in RUN_OUTPUTS:
         p = run_dir / name
-        if p.is_symlink() or p.is_file():
-            p.unlink()
-        elif p.is_dir():
-            shutil.rmtree(p)
-        else:
-            continue
-        gone.append(name)
+        if p.is_symlink() or p.exists():
+            remove_path(p)
+            gone.append(name)
     return gone
 
 

@@ -39,7 +39,6 @@ from .init_from import check_init_from, load_init_weights
 from .train_args import add_train_args, config_from_args  # noqa: F401 (re-exported)
 from .config_io import to_dict
 from .guards import GracefulShutdown, NonFiniteError, NonFiniteGuard, SpikeDetector, StopRequested
-from .integrity import is_disk_full
 from .lifeline import arm_if_launched
 from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
 from .optim import build_optimizer, build_scheduler
@@ -122,7 +121,7 @@ class Trainer:
         # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / "checkpoints")
         init_from = check_init_from(cfg.train.init_from)
-        self.lifeline = arm_if_launched()  # a rank stops (saving) when its launcher dies
+        arm_if_launched()  # a rank stops (saving) when its launcher dies
         configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
                           quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0, tune=not cfg.train.deterministic)
         self.acc = make_accelerator(cfg)
@@ -713,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_intermixed_args(argv)
     # Rank 0 tells the story; the other ranks speak only to warn, and say who they are.
     rank = int(os.environ.get("RANK", "0"))
-    from .cli import USER_ERRORS, setup_logging
+    from .cli import USER_ERRORS, setup_logging, user_error_line
 
     setup_logging(0 if rank == 0 else -1, prefix="" if rank == 0 else f"[rank {rank}] ")
 
@@ -721,12 +720,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run(config_from_args(args), progress=not args.no_progress, overwrite=args.overwrite)
     except NonFiniteError as err:
         return report_failure(f"omniloom train: {err}", 3)
-    except USER_ERRORS as err:
-        return report_failure(f"omniloom train: error: {err}", 2)
-    except OSError as err:  # a full disk outside a checkpoint save (metrics, TensorBoard): one line too
-        if not is_disk_full(err):
+    except (*USER_ERRORS, OSError) as err:  # a full disk outside a checkpoint save (metrics, TensorBoard): one line too
+        line = user_error_line(err)
+        if line is None:
             raise
-        return report_failure(f"omniloom train: error: disk full: {err}", 2)
+        return report_failure(f"omniloom train: {line}", 2)
     finally:
         close_process_group()
     log.info("finished at step %d (%s), %d tokens; last checkpoint %s", result.step, result.stopped_by,

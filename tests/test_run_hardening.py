@@ -435,6 +435,7 @@ def test_two_ranks_waiting_for_a_batch_that_never_comes_stop_together_on_sigterm
     ("train.num_steps=0", "train.num_steps"), ("checkpoint.every=-1", "checkpoint.every"),
     ("logging.every=0", "logging.every"), ("train.grad_accum_steps=0", "train.grad_accum_steps"),
     ("optim.lr=-1e-3", "optim.lr"), ("optim.min_lr_ratio=2", "optim.min_lr_ratio"),
+    ("optim.decay_fraction=0", "optim.decay_fraction"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last"), ("train.eval_every=-1", "train.eval_every"),
 ])
 def test_negative_and_out_of_range_values_are_refused_with_their_source(tmp_path, override, key):
