@@ -308,15 +308,22 @@ class _Window(io.RawIOBase):
     def seekable(self) -> bool:
         return self._seekable
 
-    def readinto(self, buf) -> int:
-        n = len(buf) if self.stop < 0 else min(len(buf), self.stop - self.pos)
-        if n <= 0:
-            return 0
-        data = self.f.read(n)
-        buf[: len(data)] = data
+    def read(self, n: int | None = -1) -> bytes:
+        """Up to `n` bytes (all that is left when n < 0), straight from `f`: tarfile reads every
+        header and member through here, and RawIOBase's own read() would copy each twice more."""
+        left = -1 if self.stop < 0 else self.stop - self.pos
+        want = left if n is None or n < 0 else (n if left < 0 else min(n, left))
+        if want == 0:
+            return b""
+        data = self.f.read(want)
         self.pos += len(data)
-        if len(data) < n:
+        if 0 < want and len(data) < want:
             self.short = self.stop >= 0
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        buf[: len(data)] = data
         return len(data)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
