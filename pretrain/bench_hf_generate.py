@@ -94,7 +94,7 @@ def register_bench(bench_sub) -> None:
 def _run(args) -> int:
     from .export_cli import _set_threads
 
-    _set_threads(args.threads)
+    _set_threads(args.threads, tune=False)  # timed against Hugging Face at one count: no tuning inside the timing
     with tempfile.TemporaryDirectory() as tmp:
         export = Path(args.export) if args.export else _random_export(Path(tmp), args.dim)
         res = bench(export, prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats)

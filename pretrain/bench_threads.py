@@ -70,17 +70,12 @@ def tiny_text_prompt(prompt_tokens: int = 64):
 
     from omniloom.model import OmniModel
 
-    from .generate import Prompt
+    from .generate import random_text_prompt
 
     cfg = _model_config()
     torch.manual_seed(0)
     model = OmniModel(cfg).eval()
-    S, width = prompt_tokens, max(cfg.patch_dim, cfg.tubelet_dim)
-    prompt = Prompt(input_ids=torch.randint(300, cfg.vocab_size, (1, S)),
-                    positions=torch.arange(S, dtype=torch.int32).view(1, 1, S).expand(1, 3, S).contiguous(),
-                    modality=torch.zeros(1, S, dtype=torch.uint8), block_ids=torch.full((1, S), -1, dtype=torch.int32),
-                    patches=torch.zeros(0, width), patch_kind=torch.zeros(0, dtype=torch.uint8), grids=[])
-    return model, prompt
+    return model, random_text_prompt(cfg.vocab_size, prompt_tokens, max(cfg.patch_dim, cfg.tubelet_dim))
 
 
 def _generate_step():

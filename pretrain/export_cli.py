@@ -23,13 +23,14 @@ def _export(args) -> int:
     return 0
 
 
-def _set_threads(n: int | None) -> None:
-    """--threads N, else OMP_NUM_THREADS, else the cores this process may use (pretrain/threads.py)."""
+def _set_threads(n: int | None, *, tune: bool = True) -> None:
+    """--threads N, else OMP_NUM_THREADS, else the cores this process may use, kept or dropped for
+    1 thread by timing the first units of work when `tune` (pretrain/threads.py)."""
     from .threads import configure_threads
 
     if n is not None and n < 1:
         raise ValueError("--threads must be >= 1")
-    configure_threads(n or 0, option="--threads", tune=True)
+    configure_threads(n or 0, option="--threads", tune=tune)
 
 
 def _eval(args) -> int:
@@ -175,11 +176,11 @@ def register(sub) -> None:
 def _bench_generate(args) -> int:
     import torch
 
-    _set_threads(args.threads)
+    _set_threads(args.threads, tune=False)  # both decoders are timed at one count: no tuning inside the timing
     from omniloom.model import OmniModel
     from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
 
-    from .generate import Prompt, generate
+    from .generate import generate, random_text_prompt
 
     torch.manual_seed(0)
     cfg = ModelConfig(dim=args.dim, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=2048, patch_token_id=8,
@@ -189,11 +190,7 @@ def _bench_generate(args) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = OmniModel(cfg).to(device).eval()
     S = args.prompt_len
-    prompt = Prompt(
-        input_ids=torch.randint(300, 2048, (1, S)), positions=torch.arange(S, dtype=torch.int32).view(1, 1, S).expand(1, 3, S).contiguous(),
-        modality=torch.zeros(1, S, dtype=torch.uint8), block_ids=torch.full((1, S), -1, dtype=torch.int32),
-        patches=torch.zeros(0, 96), patch_kind=torch.zeros(0, dtype=torch.uint8), grids=[],
-    )
+    prompt = random_text_prompt(2048, S, 96)
     print(f"device {device} ({torch.get_num_threads()} CPU threads), prompt {S} tokens, {args.new_tokens} new tokens, "
           "greedy, eos disabled")
     rows = []

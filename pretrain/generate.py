@@ -41,6 +41,15 @@ class Prompt:
         return int(self.input_ids.shape[1])
 
 
+def random_text_prompt(vocab_size: int, length: int, patch_width: int) -> Prompt:
+    """`length` random text ids (past the special and byte ids) as a Prompt, for benchmarks."""
+    S = length
+    return Prompt(input_ids=torch.randint(300, vocab_size, (1, S)),
+                  positions=torch.arange(S, dtype=torch.int32).view(1, 1, S).expand(1, 3, S).contiguous(),
+                  modality=torch.zeros(1, S, dtype=torch.uint8), block_ids=torch.full((1, S), -1, dtype=torch.int32),
+                  patches=torch.zeros(0, patch_width), patch_kind=torch.zeros(0, dtype=torch.uint8), grids=[])
+
+
 def build_prompt(tokenizer, text: str = "", *, image: bytes | None = None, video: bytes | None = None) -> Prompt:
     """Tokenize `[image] [video] text` as one document with the exported tokenizer and drop its eos.
     Media that cannot be decoded raise a ValueError naming the reason."""

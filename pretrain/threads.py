@@ -118,6 +118,7 @@ def local_processes(env=None) -> int:
 class ThreadChoice:
     threads: int
     reason: str
+    explicit: bool = False  # set by the user (config, --threads, OMP_NUM_THREADS), not from the cores
 
 
 def choose_threads(requested: int = 0, *, num_workers: int = 0, env=None, cores: int | None = None,
@@ -128,7 +129,7 @@ def choose_threads(requested: int = 0, *, num_workers: int = 0, env=None, cores:
     if requested < 0:
         raise ValueError(f"{option} must be >= 0 (0 picks from the cores), got {requested}")
     if requested > 0:
-        return ThreadChoice(requested, f"set by {option}")
+        return ThreadChoice(requested, f"set by {option}", explicit=True)
     omp = env.get("OMP_NUM_THREADS", "").strip()
     if omp == "1" and ("LOCAL_WORLD_SIZE" in env or "ACCELERATE_DYNAMO_BACKEND" in env):
         omp = ""  # torchrun and accelerate launch (its one-process launcher too) put 1 there by default: no choice
@@ -138,7 +139,7 @@ def choose_threads(requested: int = 0, *, num_workers: int = 0, env=None, cores:
         except ValueError:
             n = 0
         if n > 0:
-            return ThreadChoice(n, "set by OMP_NUM_THREADS")
+            return ThreadChoice(n, "set by OMP_NUM_THREADS", explicit=True)
     cores = available_cores() if cores is None else cores
     procs = local_processes(env)
     share = max(1, cores // procs)
@@ -170,20 +171,25 @@ class ThreadTuner:
         self.times: dict[int, list[float]] = {n: [] for n in self.candidates}
         self._warm: set[int] = set()
         self._turn = 0
+        self._inside = False
         self.chosen: int | None = self.candidates[0] if len(self.candidates) == 1 else None
         if self.chosen is not None:
             self._set(self.chosen)
 
     @contextlib.contextmanager
     def unit(self, work: float = 1.0):
-        if self.chosen is not None:
+        if self.chosen is not None or self._inside:  # settled, or a unit inside a unit: the outer one times it
             yield
             return
         n = self.candidates[self._turn % len(self.candidates)]
         self._turn += 1
         self._set(n)
+        self._inside = True
         t0 = self._clock()
-        yield
+        try:
+            yield
+        finally:
+            self._inside = False
         dt = self._clock() - t0
         if n in self._warm:
             self.times[n].append(dt / max(work, 1e-9))
@@ -200,6 +206,13 @@ class ThreadTuner:
 
 
 _TUNER: ThreadTuner | None = None
+
+
+def end_tuning() -> None:
+    """The command that started the timing is done: whatever count is set stays, and later work
+    in this process (another command, a test) is not timed by it."""
+    global _TUNER
+    _TUNER = None
 
 
 def tuned(work: float = 1.0):
@@ -223,9 +236,8 @@ def configure_threads(requested: int = 0, *, num_workers: int = 0, quiet: bool =
     global _TUNER
     choice = choose_threads(requested, num_workers=num_workers, option=option)
     torch.set_num_threads(choice.threads)
-    explicit = choice.reason.startswith("set by")
     _TUNER = None
-    if tune and not explicit and choice.threads > 1 and not torch.cuda.is_available():
+    if tune and not choice.explicit and choice.threads > 1 and not torch.cuda.is_available():
         _TUNER = ThreadTuner(tune_candidates(choice.threads), quiet=quiet)
     if not quiet:
         how = f"{option} N" if option.startswith("--") else f"{option}=N"

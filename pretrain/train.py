@@ -47,7 +47,7 @@ from .expert_parallel import find_plan, shard_range
 from .parallel import apply_parallelism, check_launch, seed_everything, set_deterministic
 from .preflight import check_step_memory, warn_ignored_settings
 from .runlock import claim_collective
-from .threads import configure_threads, tuned
+from .threads import configure_threads, end_tuning, tuned
 
 log = logging.getLogger("omniloom.train")
 
@@ -269,7 +269,8 @@ class Trainer:
         return TrainResult(self.step, self.tokens_seen, stopped_by, self.last_checkpoint, losses)
 
     def close(self) -> None:
-        """Release the run folder (fit does it when it ends)."""
+        """Release the run folder and end the thread-count timing (fit does both when it ends)."""
+        end_tuning()
         self._release()
 
     def run_step(self) -> tuple[dict, torch.Tensor | None, float] | None:

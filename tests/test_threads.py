@@ -281,3 +281,36 @@ def test_bench_threads_times_the_count_its_command_kept():
     if available_cores() > 1:
         assert f"started at {available_cores()}" in out["reason"] and f"kept {out['chosen']}" in out["reason"], out["reason"]
         assert out["chosen"] in (1, available_cores())
+
+
+def test_a_unit_inside_a_unit_is_timed_by_the_outer_one_and_a_closed_trainer_ends_the_timing(tmp_path, monkeypatch):
+    """An eval forward inside a timed step (or generate inside eval) must not switch the count
+    in the middle of the outer timing; a Trainer that ends stops the timing, so a later command
+    in the same process is not switched between counts by a tuner it never asked for."""
+    from omniloom.pretrain import threads as T
+
+    clock = _FakeClock({1: 0.03, 2: 0.05}, warm=0.0)
+    tuner = T.ThreadTuner([1, 2], trials=1, clock=clock, set_threads=clock.set_threads)
+    with tuner.unit():
+        with tuner.unit():
+            clock.work()
+    assert clock.sets == [1] and tuner.times == {1: [], 2: []}  # one warm-up unit at 1 thread, nothing else
+
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("train_standin", Path(__file__).with_name("test_train_standin.py"))
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(T, "available_cores", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        trainer = standin.standin_trainer(tmp_path, "train.num_steps=2", "checkpoint.every=0", "train.deterministic=false")
+        assert T._TUNER is not None  # 2 steps: too few to settle
+        trainer.fit()
+        assert T._TUNER is None
+    finally:
+        standin.reset_accelerate()
+        T._TUNER = None
+        torch.set_num_threads(before)
