@@ -8,7 +8,7 @@ of attention according to each layer kind's sparsity.
 
 from __future__ import annotations
 
-from .config import ModelConfig
+from .config import CONV_STEM_WIDTH, ModelConfig, conv_stem_features
 
 
 def _indexer_params(cfg: ModelConfig) -> int:
@@ -41,13 +41,11 @@ def _ffn_params(cfg: ModelConfig, layer: int, *, active: bool) -> int:
 
 def _visual_embedding_params(cfg: ModelConfig, in_dim: int) -> int:
     """One visual projection: linear from the pixels, or the conv stem (model/embeddings.py
-    ConvStem, width 16) and a linear from its features."""
+    ConvStem: two bias-free 3x3 convolutions) and a linear from its features."""
     if cfg.patch_stem != "conv":
         return in_dim * cfg.dim
-    p, width = round((cfg.patch_dim / 3) ** 0.5), 16
-    side = (((p + 1) // 2) + 1) // 2
-    channels = 3 * (in_dim // cfg.patch_dim)
-    return channels * width * 9 + width * 2 * width * 9 + 2 * width * side * side * cfg.dim
+    width, channels = CONV_STEM_WIDTH, 3 * (in_dim // cfg.patch_dim)
+    return (channels * width + width * 2 * width) * 9 + conv_stem_features(cfg.patch_size) * cfg.dim
 
 
 def _embedding_params(cfg: ModelConfig) -> int:

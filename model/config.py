@@ -17,6 +17,18 @@ from typing import Literal
 
 LAYER_KINDS = ("L", "G", "B")
 ROPE_LAYOUTS = ("sections", "interleaved")
+CONV_STEM_WIDTH = 16  # channels of the conv patch stem's first convolution (its second has twice)
+
+
+def patch_side(patch_dim: int) -> int:
+    """The side p of an RGB patch of `patch_dim` = 3 * p * p values."""
+    return round(math.sqrt(patch_dim / 3))
+
+
+def conv_stem_features(p: int, width: int = CONV_STEM_WIDTH) -> int:
+    """Features the conv patch stem gives a p x p patch: two stride-2 3x3 convolutions (padding 1)."""
+    side = (((p + 1) // 2) + 1) // 2
+    return 2 * width * side * side
 # the value a saved config (config.json of an export, config.yaml of a checkpoint) written before
 # the key existed means: the layout those models were trained with
 LEGACY_ROPE_LAYOUT = "sections"
@@ -139,6 +151,11 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
+    def patch_size(self) -> int:
+        """The side p of an image patch (patch_dim = 3 * p * p)."""
+        return patch_side(self.patch_dim)
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
@@ -190,7 +207,7 @@ class ModelConfig:
         if self.patch_stem not in ("linear", "conv"):
             raise ValueError(f"model.patch_stem='{self.patch_stem}': choose linear or conv")
         if self.patch_stem == "conv":
-            p = round(math.sqrt(self.patch_dim / 3))
+            p = self.patch_size
             if 3 * p * p != self.patch_dim or self.tubelet_dim % self.patch_dim:
                 raise ValueError(f"model.patch_stem=conv needs patch_dim = 3 * p * p and tubelet_dim a multiple of it, "
                                  f"got {self.patch_dim} and {self.tubelet_dim}")

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ROPE_LAYOUTS
+from .config import CONV_STEM_WIDTH, ROPE_LAYOUTS, conv_stem_features, patch_side
 
 IMAGE, VIDEO = 2, 3  # modality codes of tokenizers/layout.py (the model imports nothing from there)
 
@@ -22,13 +22,12 @@ class ConvStem(nn.Module):
     early-convolution stem (Xiao et al. 2021) run inside each patch. A row of the patch matrix
     is (channels x frames, p, p) in that order (tokenizers/image.py), so frames become channels."""
 
-    def __init__(self, in_channels: int, p: int, width: int = 16):
+    def __init__(self, in_channels: int, p: int, width: int = CONV_STEM_WIDTH):
         super().__init__()
         self.in_channels, self.p = in_channels, p
         self.conv1 = nn.Conv2d(in_channels, width, 3, stride=2, padding=1, bias=False)
         self.conv2 = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False)
-        side = (((p + 1) // 2) + 1) // 2
-        self.out_features = 2 * width * side * side
+        self.out_features = conv_stem_features(p, width)
 
     def forward(self, x_PD: torch.Tensor) -> torch.Tensor:
         x = x_PD.reshape(-1, self.in_channels, self.p, self.p)
@@ -50,7 +49,7 @@ class MultimodalEmbedding(nn.Module):
         self.tok = nn.Embedding(vocab_size, dim)
         self.patch_in, self.tubelet_in = patch_dim, tubelet_dim
         if patch_stem == "conv":
-            p = round((patch_dim / 3) ** 0.5)
+            p = patch_side(patch_dim)
             self.patch_stem = ConvStem(3, p)
             self.tubelet_stem = ConvStem(3 * (tubelet_dim // patch_dim), p)
             patch_dim, tubelet_dim = self.patch_stem.out_features, self.tubelet_stem.out_features
