@@ -57,24 +57,13 @@ def shape_mismatch(err: BaseException) -> str | None:
 def model_config_changes(path: str | Path, model_cfg) -> str:
     """' (model settings that differ from the checkpoint's config.yaml: model.dim 64 there, 128
     here; ...)', or '' when config.yaml is unreadable or agrees."""
-    from .config import load_saved_config
-    from .config_io import to_dict
+    from .config import config_differences, load_saved_config
 
     try:
-        saved = to_dict(load_saved_config(Path(path) / "config.yaml").model)
+        saved = load_saved_config(Path(path) / "config.yaml").model
     except Exception:  # noqa: BLE001 - only a hint on an error path
         return ""
-    here = to_dict(model_cfg)
-
-    def flat(tree, prefix="model"):
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                yield from flat(v, f"{prefix}.{k}")
-            else:
-                yield f"{prefix}.{k}", v
-
-    a, b = dict(flat(saved)), dict(flat(here))
-    diff = [f"{k} {a.get(k)!r} there, {b.get(k)!r} here" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    diff = [f"{k} {a!r} there, {b!r} here" for k, a, b in config_differences(saved, model_cfg)]
     if not diff:
         return ""
     more = f"; and {len(diff) - 4} more" if len(diff) > 4 else ""

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 import math
 from dataclasses import dataclass, field
@@ -203,6 +204,19 @@ def load_saved_config(path: str | Path) -> RunConfig:
 # model settings that no weight's shape records: resuming under other values would silently train
 # another model on the checkpoint's weights
 POSITION_KEYS = ("rope_layout", "rope_sections", "rope_base")
+
+
+def config_differences(a, b, prefix: str = "model", ignore: frozenset[str] = frozenset()) -> list[tuple[str, object, object]]:
+    """(dotted key, value in `a`, value in `b`) for every setting of the dataclass configs `a`
+    and `b` (nested ones too) that differs; fields named in `ignore` are skipped."""
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x):
+            out += config_differences(x, y, f"{prefix}.{f.name}", ignore)
+        elif f.name not in ignore and x != y:
+            out.append((f"{prefix}.{f.name}", x, y))
+    return out
 
 
 def position_differences(trained, run) -> list[tuple[str, object, object]]:

@@ -20,7 +20,7 @@ import torch
 log = logging.getLogger(__name__)
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
-IGNORED = {"backend", "kernels", "expert_parallel", "dispatch"}  # how the model runs, not what it is
+IGNORED = frozenset({"backend", "kernels", "expert_parallel", "dispatch"})  # how the model runs, not what it is
 
 
 def check_init_from(path: str) -> Path | None:
@@ -35,17 +35,6 @@ def check_init_from(path: str) -> Path | None:
     except (FileNotFoundError, ValueError) as err:
         raise ValueError(f"train.init_from={path}: {err}") from err
     return folder
-
-
-def _differences(a, b, prefix: str = "model") -> list[str]:
-    out = []
-    for f in dataclasses.fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if dataclasses.is_dataclass(x):
-            out += _differences(x, y, f"{prefix}.{f.name}")
-        elif f.name not in IGNORED and x != y:
-            out.append(f"{prefix}.{f.name} ({y} in the export, {x} here)")
-    return out
 
 
 def load_init_weights(model, folder: Path, run_cfg, *, expert_range: tuple[int, int] | None = None) -> None:
@@ -70,10 +59,10 @@ def load_init_weights(model, folder: Path, run_cfg, *, expert_range: tuple[int, 
                              f"{run_cfg.data.tokenizer} (tokenizer.model sha256 {want[:12]}... vs {have[:12]}...): the "
                              "ids would mean other tokens; use the export's tokenizer")
     exported = model_config_from_dict(info.get("model") or {})
-    from .config import refuse_position_changes
+    from .config import config_differences, refuse_position_changes
 
     refuse_position_changes(exported, full, f"train.init_from={folder}")  # no weight's shape shows them
-    changed = _differences(full, exported)
+    changed = [f"{k} ({y} in the export, {x} here)" for k, x, y in config_differences(full, exported, ignore=IGNORED)]
     if changed:
         log.warning("train.init_from: this run's model settings differ from the export's in %s", "; ".join(changed))
     state = read_safetensors(folder)
