@@ -205,10 +205,11 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
     by_mod, by_kind, gap = _Sums(), _Sums(), {"own": _Sums(), "donor": _Sums()}
     counts: Counter = Counter()
     pool: dict[int, deque] = {IMAGE: deque(maxlen=DONOR_POOL), VIDEO: deque(maxlen=DONOR_POOL)}
-    pending: list[tuple[int, object]] = []  # visual docs seen before any donor of their kind
+    pending: list[tuple[int, object, tuple]] = []  # visual docs seen before any donor of their kind
     per_doc: dict[str, list[tuple[float, int]]] = defaultdict(list)  # kind -> (donor - own CE sum, targets) per document
 
-    def score_gap(index: int, doc) -> bool:
+    def score_gap(index: int, doc, own: tuple) -> bool:
+        """`own`: the document's (ce, modality, valid) from the main pass (one piece: it fits max_len)."""
         donors = []
         for blk in doc.blocks:
             cands = [d for d in reversed(pool[blk.kind]) if d.doc_index != index]
@@ -226,8 +227,8 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
         first_end = min(b.start + b.length for b in doc.blocks)
         kind = _doc_kind(doc)
         sums = {}
-        for name, d in (("own", doc), ("donor", swapped)):
-            ce, tmod, valid = _token_losses(model, d, max_len, patch_width)
+        for name, scored in (("own", own), ("donor", None)):
+            ce, tmod, valid = scored if scored is not None else _token_losses(model, swapped, max_len, patch_width)
             sel = valid & ((tmod == TEXT) | (tmod == CODE))
             sel[:first_end] = False
             sums[name] = (float(ce[sel].sum()), int(sel.sum()))
@@ -267,12 +268,12 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
         if doc.blocks and len(doc) > max_len:
             counts["gap_docs_too_long"] += 1  # a swap must keep the whole document in one context
         elif doc.blocks:
-            if not score_gap(index, doc):
-                pending.append((index, doc))
+            if not score_gap(index, doc, (ce, tmod, valid)):
+                pending.append((index, doc, (ce, tmod, valid)))
             for blk in doc.blocks:
                 pool[blk.kind].append(_Donor(index, blk.kind, tuple(blk.grid), np.asarray(blk.patches_ND, dtype=np.float32)))
-    for index, doc in pending:  # donors from later documents
-        if not score_gap(index, doc):
+    for index, doc, own in pending:  # donors from later documents
+        if not score_gap(index, doc, own):
             counts["gap_docs_without_donor"] += 1
     if bar is not None:
         bar.close()
