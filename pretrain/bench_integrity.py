@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -75,11 +76,6 @@ def _write(path: Path, size: int, block: memoryview, hashing: bool) -> float:
     return time.perf_counter() - t0
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2] if len(values) % 2 else sum(values[len(values) // 2 - 1:][:2]) / 2
-
-
 def bench(out_dir: Path, *, file_bytes: int, state_bytes: int, repeats: int = 3) -> list[str]:
     import torch
 
@@ -110,7 +106,7 @@ def bench(out_dir: Path, *, file_bytes: int, state_bytes: int, repeats: int = 3)
         hash_file(path)
         warm.append(time.perf_counter() - t0)
         path.unlink()
-    t_plain, t_hashed, t_verify, t_warm = map(_median, (plain, hashed, cold, warm))
+    t_plain, t_hashed, t_verify, t_warm = map(statistics.median, (plain, hashed, cold, warm))
     gb = file_bytes / 1e9
     lines += [
         f"one rank's file, {gb:.2f} GB (medians of {repeats}):",
@@ -149,7 +145,7 @@ def bench(out_dir: Path, *, file_bytes: int, state_bytes: int, repeats: int = 3)
             p.unlink()
     lines.append(f"a {sb:.2f} GB state dict, saved + fsync (medians of {repeats}):")
     for name in names:
-        t = _median(timings[name])
+        t = statistics.median(timings[name])
         lines.append(f"  {name:32s} {t:6.2f} s  ({sb / t:.2f} GB/s)")
     return lines
 
