@@ -8,7 +8,7 @@ of attention according to each layer kind's sparsity.
 
 from __future__ import annotations
 
-from .config import CONV_STEM_WIDTH, ModelConfig, conv_stem_features
+from .config import ModelConfig, conv_stem_features
 
 
 def _indexer_params(cfg: ModelConfig) -> int:
@@ -44,8 +44,8 @@ def _visual_embedding_params(cfg: ModelConfig, in_dim: int) -> int:
     ConvStem: two bias-free 3x3 convolutions) and a linear from its features."""
     if cfg.patch_stem != "conv":
         return in_dim * cfg.dim
-    width, channels = CONV_STEM_WIDTH, 3 * (in_dim // cfg.patch_dim)
-    return (channels * width + width * 2 * width) * 9 + conv_stem_features(cfg.patch_size) * cfg.dim
+    width, channels = cfg.conv_stem_width, 3 * (in_dim // cfg.patch_dim)
+    return (channels * width + width * 2 * width) * 9 + conv_stem_features(cfg.patch_size, width) * cfg.dim
 
 
 def _embedding_params(cfg: ModelConfig) -> int:

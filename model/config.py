@@ -17,7 +17,7 @@ from typing import Literal
 
 LAYER_KINDS = ("L", "G", "B")
 ROPE_LAYOUTS = ("sections", "interleaved")
-CONV_STEM_WIDTH = 16  # channels of the conv patch stem's first convolution (its second has twice)
+CONV_STEM_WIDTH = 16  # default channels of the conv patch stem's first convolution (its second has twice)
 
 
 def patch_side(patch_dim: int) -> int:
@@ -141,6 +141,9 @@ class ModelConfig:
     # how a patch's pixels become its embedding: "linear" (one projection, ViT) or "conv" (two 3x3
     # stride-2 convolutions with GELU before the projection, an early-convolution stem)
     patch_stem: Literal["linear", "conv"] = "linear"
+    # channels of the conv stem's first convolution (its second has twice as many): the stem's
+    # features are 2 * width * (p / 4)^2 per patch (a saved config without the key: 16)
+    conv_stem_width: int = CONV_STEM_WIDTH
     patch_dim: int = 3 * 16 * 16
     tubelet_dim: int = 3 * 2 * 16 * 16
     norm_eps: float = 1e-6
@@ -206,6 +209,8 @@ class ModelConfig:
             raise ValueError(f"model.visual_pos_max={self.visual_pos_max} must be >= 0 (0: no learned visual positions)")
         if self.patch_stem not in ("linear", "conv"):
             raise ValueError(f"model.patch_stem='{self.patch_stem}': choose linear or conv")
+        if self.conv_stem_width < 1:
+            raise ValueError(f"model.conv_stem_width={self.conv_stem_width} must be >= 1")
         if self.patch_stem == "conv":
             p = self.patch_size
             if 3 * p * p != self.patch_dim or self.tubelet_dim % self.patch_dim:

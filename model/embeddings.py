@@ -6,6 +6,7 @@ d = head_dim / 2 rotary frequencies.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -15,6 +16,28 @@ import torch.nn.functional as F
 from .config import CONV_STEM_WIDTH, ROPE_LAYOUTS, conv_stem_features, patch_side
 
 IMAGE, VIDEO = 2, 3  # modality codes of tokenizers/layout.py (the model imports nothing from there)
+
+
+_CPU_ROW_SELECTION = [True]
+
+
+def data_dependent_shapes_are_free(t: torch.Tensor) -> bool:
+    """Whether work may be cut to the rows that need it (boolean selection, `nonzero`): on the
+    CPU a data-dependent shape costs no host sync and the rows it skips are time saved; on an
+    accelerator, and inside torch.compile, every step keeps fixed shapes and no sync."""
+    return _CPU_ROW_SELECTION[0] and t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def accelerator_shapes():
+    """Run the CPU as an accelerator would (fixed shapes, no sync): how tests check the
+    accelerator's path, and its equality with the CPU's row selection, on a CPU."""
+    before = _CPU_ROW_SELECTION[0]
+    _CPU_ROW_SELECTION[0] = False
+    try:
+        yield
+    finally:
+        _CPU_ROW_SELECTION[0] = before
 
 
 class ConvStem(nn.Module):
@@ -44,14 +67,14 @@ class MultimodalEmbedding(nn.Module):
     within its block (coordinates past `visual_pos_max - 1` share the last entry)."""
 
     def __init__(self, *, vocab_size: int, dim: int, patch_dim: int, tubelet_dim: int, patch_token_id: int,
-                 visual_pos_max: int = 0, patch_stem: str = "linear"):
+                 visual_pos_max: int = 0, patch_stem: str = "linear", conv_stem_width: int = CONV_STEM_WIDTH):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, dim)
         self.patch_in, self.tubelet_in = patch_dim, tubelet_dim
         if patch_stem == "conv":
             p = patch_side(patch_dim)
-            self.patch_stem = ConvStem(3, p)
-            self.tubelet_stem = ConvStem(3 * (tubelet_dim // patch_dim), p)
+            self.patch_stem = ConvStem(3, p, conv_stem_width)
+            self.tubelet_stem = ConvStem(3 * (tubelet_dim // patch_dim), p, conv_stem_width)
             patch_dim, tubelet_dim = self.patch_stem.out_features, self.tubelet_stem.out_features
         else:
             self.patch_stem = self.tubelet_stem = None
@@ -66,9 +89,11 @@ class MultimodalEmbedding(nn.Module):
 
     def forward(self, input_ids_BS: torch.Tensor, patches_PDp: torch.Tensor, patch_kind_P: torch.Tensor,
                 positions_B3S: torch.Tensor | None = None) -> torch.Tensor:
-        """No host sync and no data-dependent shape: every patch row is embedded by both
-        projections and the one of its kind is kept (the other costs a small GEMM and keeps both
-        weights in every step's graph), and the k-th `<|patch|>` position takes row k through a
+        """No host sync and no data-dependent shape on an accelerator: every patch row is embedded
+        by both projections and the one of its kind is kept (the other costs a small GEMM and keeps
+        both weights in every step's graph); on the CPU each row goes through its own kind's
+        projection only (`data_dependent_shapes_are_free`; an empty selection still puts the
+        other projection in the graph). The k-th `<|patch|>` position takes row k through a
         cumulative count. Batch checks that need the data are device asserts. `positions_B3S`
         is needed only with learned visual positions (`visual_pos_max > 0`)."""
         x_BSD = self.tok(input_ids_BS)
@@ -101,9 +126,17 @@ class MultimodalEmbedding(nn.Module):
         kind_P = patch_kind_P.to(torch.long)
         torch._assert_async(((kind_P == IMAGE) | (kind_P == VIDEO)).all(), f"patch_kind must be {IMAGE} (image) or {VIDEO} (video)")
         dt = self.patch.weight.dtype
-        img_PD = self._image(patches_PDp[:, : self.patch_in].to(dt))
-        vid_PD = self._video(patches_PDp[:, : self.tubelet_in].to(dt))
-        emb_PD = torch.where((kind_P == IMAGE).unsqueeze(1), img_PD, vid_PD).to(x_BSD.dtype)
+        if data_dependent_shapes_are_free(patches_PDp):
+            # each row through its own kind's projection only (half the stem and projection work)
+            img_P = (kind_P == IMAGE).nonzero().squeeze(1)
+            vid_P = (kind_P != IMAGE).nonzero().squeeze(1)
+            img_ID = self._image(patches_PDp.index_select(0, img_P)[:, : self.patch_in].to(dt)).to(x_BSD.dtype)
+            vid_VD = self._video(patches_PDp.index_select(0, vid_P)[:, : self.tubelet_in].to(dt)).to(x_BSD.dtype)
+            emb_PD = img_ID.new_zeros(P, img_ID.shape[1]).index_copy(0, img_P, img_ID).index_copy(0, vid_P, vid_VD)
+        else:
+            img_PD = self._image(patches_PDp[:, : self.patch_in].to(dt))
+            vid_PD = self._video(patches_PDp[:, : self.tubelet_in].to(dt))
+            emb_PD = torch.where((kind_P == IMAGE).unsqueeze(1), img_PD, vid_PD).to(x_BSD.dtype)
         row_T = (is_patch_T.cumsum(0) - 1).clamp(min=0)
         emb_TD = emb_PD.index_select(0, row_T)
         if self.visual_pos_max:

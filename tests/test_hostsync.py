@@ -5,6 +5,8 @@ A CPU run cannot time a GPU stall, but it can list the ops that would cause one:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -13,15 +15,16 @@ from omniloom.kernels.hostsync import HostSyncRecorder
 from omniloom.kernels.reference import linear_cross_entropy
 from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
 from omniloom.model.decoder import OmniModel
+from omniloom.model.embeddings import accelerator_shapes
 from omniloom.model.synthetic import random_packed_batch
 
 VOCAB = 997  # a width no other dimension of the model has: a GEMM with it is the head
 
 
-def multimodal_cfg(backend: str, **kw) -> ModelConfig:
+def multimodal_cfg(backend: str, patch_dim: int = 12, tubelet_dim: int = 24, **kw) -> ModelConfig:
     return ModelConfig(
         dim=64, num_layers=3, num_heads=4, num_kv_heads=2, vocab_size=VOCAB, patch_token_id=VOCAB - 1,
-        pad_token_id=3, rope_sections=(4, 6, 6), patch_dim=12, tubelet_dim=24,
+        pad_token_id=3, rope_sections=(4, 6, 6), patch_dim=patch_dim, tubelet_dim=tubelet_dim,
         attention=AttentionConfig(backend=backend, pattern="LGB", window=16, block_size=8, num_selected_blocks=3),
         moe=MoEConfig(num_experts=8, num_experts_per_token=2, expert_dim=32, num_shared_experts=1,
                       num_dense_layers=1, dense_dim=64, aux_loss_coef=0.01, router_z_loss_coef=1e-3),
@@ -75,12 +78,41 @@ def test_training_step_forward_and_backward_make_no_host_sync(backend, selector)
     for layer in model.layers:  # decide grouped-vs-loop dispatch outside the measured step
         if layer.is_moe:
             layer.ffn.use_grouped(torch.device("cpu"), torch.float32)
-    with HostSyncRecorder() as rec:
+    with accelerator_shapes(), HostSyncRecorder() as rec:  # the path an accelerator takes
         out = model(**batch, layout=layout)
         out.loss.backward()
     assert rec.events == [], rec.report()
     assert (out.indexer_loss is not None) == (selector == "indexer")
     assert torch.isfinite(out.loss) and model.embed.patch.weight.grad is not None and model.embed.tubelet.weight.grad is not None
+
+
+@pytest.mark.parametrize("patch_stem", ["linear", "conv"])
+def test_the_cpus_row_selection_gives_the_accelerators_loss_and_gradients(patch_stem):
+    """On the CPU the head runs on the labelled rows only and each patch row through its own
+    kind's projection (`data_dependent_shapes_are_free`); an accelerator runs every row through
+    both at fixed shapes. Same loss, same metrics, same gradients."""
+    torch.manual_seed(0)
+    p = 4
+    cfg = multimodal_cfg("blocksparse", patch_stem=patch_stem) if patch_stem == "linear" else \
+        multimodal_cfg("blocksparse", patch_stem=patch_stem, patch_dim=3 * p * p, tubelet_dim=6 * p * p)
+    model = OmniModel(cfg)
+    batch = step_inputs(cfg)
+    layout = model.batch_layout(batch["doc_ids"], batch["block_ids"])
+    runs = []
+    for fixed in (False, True):
+        model.zero_grad(set_to_none=True)
+        with accelerator_shapes() if fixed else contextlib.nullcontext(), HostSyncRecorder() as rec:
+            out = model(**batch, layout=layout)
+            out.loss.backward()
+        selected = sum("nonzero" in e.op for e in rec.events)
+        assert selected == (0 if fixed else 3), rec.report()  # the CPU's path: image rows, video rows, labelled rows
+        runs.append((out, {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}))
+    (cpu, g_cpu), (acc, g_acc) = runs
+    for field in ("loss", "ce_loss", "z_loss", "ce_sum_by_modality", "tokens_by_modality"):
+        torch.testing.assert_close(getattr(cpu, field), getattr(acc, field), rtol=1e-5, atol=1e-6)
+    assert g_cpu.keys() == g_acc.keys() and {"embed.patch.weight", "embed.tubelet.weight", "head.weight"} <= g_cpu.keys()
+    for name in g_cpu:
+        torch.testing.assert_close(g_cpu[name], g_acc[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 class _GemmDtypes(TorchDispatchMode):

@@ -280,3 +280,10 @@ def test_a_conv_stem_model_counts_its_parameters_and_decodes_as_its_full_forward
     assert a.ids == b.ids
     with pytest.raises(ValueError, match="patch_stem"):
         _cfg(patch_stem="conv", patch_dim=10).validate()
+    # model.conv_stem_width: the stem's channels, counted and built alike
+    wide = dataclasses.replace(cfg, conv_stem_width=32)
+    stem = OmniModel(wide).embed.patch_stem
+    assert (stem.conv1.out_channels, stem.conv2.out_channels) == (32, 64)
+    assert num_params(wide) == sum(p.numel() for p in OmniModel(wide).parameters()) > num_params(cfg)
+    with pytest.raises(ValueError, match="conv_stem_width"):
+        dataclasses.replace(cfg, conv_stem_width=0).validate()
