@@ -39,19 +39,22 @@ def _ffn_params(cfg: ModelConfig, layer: int, *, active: bool) -> int:
     return n
 
 
-def _visual_embedding_params(cfg: ModelConfig, in_dim: int) -> int:
+def _visual_embedding_params(cfg: ModelConfig, in_dim: int, video: bool = False) -> int:
     """One visual projection: linear from the pixels, or the conv stem (model/embeddings.py
     ConvStem: two bias-free 3x3 convolutions) and a linear from its features."""
     if cfg.patch_stem != "conv":
         return in_dim * cfg.dim
-    width, channels = cfg.conv_stem_width, 3 * (in_dim // cfg.patch_dim)
-    return (channels * width + width * 2 * width) * 9 + conv_stem_features(cfg.patch_size, width) * cfg.dim
+    width, frames = cfg.conv_stem_width, in_dim // cfg.patch_dim
+    features = conv_stem_features(cfg.patch_size, width)
+    if video and cfg.conv_stem_video == "frames":  # the image stem's weights, counted with the image's
+        return frames * features * cfg.dim
+    return (3 * frames * width + width * 2 * width) * 9 + features * cfg.dim
 
 
 def _embedding_params(cfg: ModelConfig) -> int:
     # token embedding, untied output head, image patch and video tubelet embeddings
     return (2 * cfg.vocab_size * cfg.dim + _visual_embedding_params(cfg, cfg.patch_dim)
-            + _visual_embedding_params(cfg, cfg.tubelet_dim))
+            + _visual_embedding_params(cfg, cfg.tubelet_dim, video=True))
 
 
 def num_params(cfg: ModelConfig) -> int:

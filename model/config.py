@@ -144,6 +144,10 @@ class ModelConfig:
     # channels of the conv stem's first convolution (its second has twice as many): the stem's
     # features are 2 * width * (p / 4)^2 per patch (a saved config without the key: 16)
     conv_stem_width: int = CONV_STEM_WIDTH
+    # how the conv stem reads a video tubelet: "channels" (its own stem, the frames as input
+    # channels) or "frames" (each frame through the image stem, the same weights, features side
+    # by side: what images teach the stem serves clips too); a saved config without the key: channels
+    conv_stem_video: Literal["channels", "frames"] = "channels"
     patch_dim: int = 3 * 16 * 16
     tubelet_dim: int = 3 * 2 * 16 * 16
     norm_eps: float = 1e-6
@@ -211,6 +215,11 @@ class ModelConfig:
             raise ValueError(f"model.patch_stem='{self.patch_stem}': choose linear or conv")
         if self.conv_stem_width < 1:
             raise ValueError(f"model.conv_stem_width={self.conv_stem_width} must be >= 1")
+        if self.conv_stem_video not in ("channels", "frames"):
+            raise ValueError(f"model.conv_stem_video='{self.conv_stem_video}': choose channels or frames")
+        if self.conv_stem_video == "frames" and self.patch_stem != "conv":
+            raise ValueError("model.conv_stem_video=frames runs a tubelet's frames through the conv patch stem: "
+                             "it needs model.patch_stem=conv")
         if self.patch_stem == "conv":
             p = self.patch_size
             if 3 * p * p != self.patch_dim or self.tubelet_dim % self.patch_dim:

@@ -60,22 +60,34 @@ class ConvStem(nn.Module):
 class MultimodalEmbedding(nn.Module):
     """Token embedding, with the `<|patch|>` positions replaced by a linear embedding of their pixel
     vectors: image patches through `patch`, video tubelets through `tubelet` (with
-    `patch_stem="conv"`, of a ConvStem's features of the pixels instead).
+    `patch_stem="conv"`, of a ConvStem's features of the pixels instead: a tubelet's own stem
+    with its frames as input channels, or with `conv_stem_video="frames"` the image stem's
+    features of each of its frames).
 
     `visual_pos_max > 0` adds factorised learned absolute positions to every patch embedding
     (NaViT / AIMv2 style): `pos_t[ti] + pos_h[hi] + pos_w[wi]`, the patch's time, row and column
     within its block (coordinates past `visual_pos_max - 1` share the last entry)."""
 
     def __init__(self, *, vocab_size: int, dim: int, patch_dim: int, tubelet_dim: int, patch_token_id: int,
-                 visual_pos_max: int = 0, patch_stem: str = "linear", conv_stem_width: int = CONV_STEM_WIDTH):
+                 visual_pos_max: int = 0, patch_stem: str = "linear", conv_stem_width: int = CONV_STEM_WIDTH,
+                 conv_stem_video: str = "channels"):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, dim)
         self.patch_in, self.tubelet_in = patch_dim, tubelet_dim
+        self.frames_per_tubelet = tubelet_dim // patch_dim
+        self.frames_through_image_stem = False
         if patch_stem == "conv":
             p = patch_side(patch_dim)
             self.patch_stem = ConvStem(3, p, conv_stem_width)
-            self.tubelet_stem = ConvStem(3 * (tubelet_dim // patch_dim), p, conv_stem_width)
-            patch_dim, tubelet_dim = self.patch_stem.out_features, self.tubelet_stem.out_features
+            if conv_stem_video == "frames":
+                # each frame of a tubelet through the image stem (the same weights): clips and
+                # images teach one stem; the projection reads the frames' features side by side
+                self.frames_through_image_stem = True
+                self.tubelet_stem = None
+                patch_dim, tubelet_dim = self.patch_stem.out_features, self.frames_per_tubelet * self.patch_stem.out_features
+            else:
+                self.tubelet_stem = ConvStem(3 * self.frames_per_tubelet, p, conv_stem_width)
+                patch_dim, tubelet_dim = self.patch_stem.out_features, self.tubelet_stem.out_features
         else:
             self.patch_stem = self.tubelet_stem = None
         self.patch = nn.Linear(patch_dim, dim, bias=False)
@@ -151,6 +163,12 @@ class MultimodalEmbedding(nn.Module):
         return self.patch(self.patch_stem(x_PD) if self.patch_stem is not None else x_PD)
 
     def _video(self, x_PD: torch.Tensor) -> torch.Tensor:
+        if self.frames_through_image_stem:
+            # a tubelet row is (channel, frame, y, x) (tokenizers/image.py): frames out, each an
+            # image patch row (channel, y, x), their features back side by side in frame order
+            P, tp, p = x_PD.shape[0], self.frames_per_tubelet, self.patch_stem.p
+            frames_FD = x_PD.reshape(P, 3, tp, p * p).transpose(1, 2).reshape(P * tp, 3 * p * p)
+            return self.tubelet(self.patch_stem(frames_FD).reshape(P, tp * self.patch_stem.out_features))
         return self.tubelet(self.tubelet_stem(x_PD) if self.tubelet_stem is not None else x_PD)
 
     def _grid_embedding(self, is_patch_BS: torch.Tensor, positions_B3S: torch.Tensor) -> torch.Tensor:

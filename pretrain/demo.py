@@ -222,7 +222,7 @@ def register(sub) -> None:
         "time left). Finished stages are skipped on a re-run (use --fresh to start over).",
     )
     p.add_argument("--out", default="demo_out", help="folder for every artifact (default: ./demo_out)")
-    p.add_argument("--steps", type=int, default=900, help="training steps (default 900; a step is 2 packed 512-token sequences per process)")
+    p.add_argument("--steps", type=int, default=1000, help="training steps (default 1000; a step is 2 packed 512-token sequences per process)")
     p.add_argument("--processes", type=int, default=2, help="data-parallel training processes (default 2)")
     p.add_argument("--fresh", action="store_true", help="delete --out first")
     p.add_argument("overrides", nargs="*", help="extra dotted config overrides for training, e.g. model.num_layers=2")

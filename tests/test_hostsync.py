@@ -86,15 +86,15 @@ def test_training_step_forward_and_backward_make_no_host_sync(backend, selector)
     assert torch.isfinite(out.loss) and model.embed.patch.weight.grad is not None and model.embed.tubelet.weight.grad is not None
 
 
-@pytest.mark.parametrize("patch_stem", ["linear", "conv"])
-def test_the_cpus_row_selection_gives_the_accelerators_loss_and_gradients(patch_stem):
+@pytest.mark.parametrize("patch_stem,video", [("linear", "channels"), ("conv", "channels"), ("conv", "frames")])
+def test_the_cpus_row_selection_gives_the_accelerators_loss_and_gradients(patch_stem, video):
     """On the CPU the head runs on the labelled rows only and each patch row through its own
     kind's projection (`data_dependent_shapes_are_free`); an accelerator runs every row through
     both at fixed shapes. Same loss, same metrics, same gradients."""
     torch.manual_seed(0)
     p = 4
     cfg = multimodal_cfg("blocksparse", patch_stem=patch_stem) if patch_stem == "linear" else \
-        multimodal_cfg("blocksparse", patch_stem=patch_stem, patch_dim=3 * p * p, tubelet_dim=6 * p * p)
+        multimodal_cfg("blocksparse", patch_stem=patch_stem, patch_dim=3 * p * p, tubelet_dim=6 * p * p, conv_stem_video=video)
     model = OmniModel(cfg)
     batch = step_inputs(cfg)
     layout = model.batch_layout(batch["doc_ids"], batch["block_ids"])

@@ -257,7 +257,37 @@ def test_the_conv_stem_reads_each_patch_row_as_the_tokenizers_pixels():
     assert stem.out_features == want.shape[1] == 32 * 1 * 1
 
 
-def test_a_conv_stem_model_counts_its_parameters_and_decodes_as_its_full_forward(tmp_path):
+def test_conv_stem_video_frames_reads_each_frame_of_a_tubelet_as_an_image_patch():
+    """`model.conv_stem_video: frames`: a tubelet row's frames go through the image stem one by one,
+    each exactly as the tokenizer would have cut that frame as an image, and the tubelet projection
+    reads their features in frame order."""
+    import numpy as np
+
+    from omniloom.model.embeddings import MultimodalEmbedding
+    from omniloom.tokenizers.image import frames_to_patches
+    from omniloom.tokenizers.settings import MediaSettings
+
+    p, tp = 8, 2
+    settings = MediaSettings(patch_size=p, temporal_patch_size=tp)
+    rng = np.random.default_rng(1)
+    frames = rng.integers(0, 256, size=(tp, 2 * p, 2 * p, 3), dtype=np.uint8)
+    tubelets, _ = frames_to_patches(frames, settings, temporal_patch_size=tp)
+    per_frame = [frames_to_patches(frames[f:f + 1], settings, temporal_patch_size=1)[0] for f in range(tp)]
+    torch.manual_seed(0)
+    emb = MultimodalEmbedding(vocab_size=16, dim=8, patch_dim=3 * p * p, tubelet_dim=3 * tp * p * p, patch_token_id=15,
+                              patch_stem="conv", conv_stem_width=4, conv_stem_video="frames")
+    assert emb.tubelet_stem is None and emb.tubelet.in_features == tp * emb.patch_stem.out_features
+    with torch.no_grad():
+        got = emb._video(torch.from_numpy(tubelets))
+        feats = torch.cat([emb.patch_stem(torch.from_numpy(rows)) for rows in per_frame], dim=1)
+        torch.testing.assert_close(got, emb.tubelet(feats), atol=1e-5, rtol=1e-5)
+        # and not the frames swapped: the projection must know which frame came first
+        swapped = torch.cat([emb.patch_stem(torch.from_numpy(rows)) for rows in per_frame[::-1]], dim=1)
+        assert not torch.allclose(got, emb.tubelet(swapped), atol=1e-3)
+
+
+@pytest.mark.parametrize("video", ["channels", "frames"])
+def test_a_conv_stem_model_counts_its_parameters_and_decodes_as_its_full_forward(tmp_path, video):
     from omniloom.model.accounting import num_params
     from omniloom.model.kv_cache import CachedDecoder
     from omniloom.pretrain.generate import _full_logits, build_prompt, generate
@@ -265,11 +295,14 @@ def test_a_conv_stem_model_counts_its_parameters_and_decodes_as_its_full_forward
 
     tok = make_tiny_tokenizer(tmp_path / "tok")
     cfg = _cfg(vocab_size=tok.vocab_size, patch_token_id=tok.patch_id, patch_dim=tok.patch_dim,
-               tubelet_dim=tok.tubelet_dim, patch_stem="conv")
+               tubelet_dim=tok.tubelet_dim, patch_stem="conv", conv_stem_video=video)
     torch.manual_seed(0)
     model = OmniModel(cfg).eval()
     assert num_params(cfg) == sum(p.numel() for p in model.parameters())
-    assert model.embed.patch_stem is not None and model.embed.tubelet_stem.in_channels == 3 * (cfg.tubelet_dim // cfg.patch_dim)
+    if video == "channels":
+        assert model.embed.patch_stem is not None and model.embed.tubelet_stem.in_channels == 3 * (cfg.tubelet_dim // cfg.patch_dim)
+    else:
+        assert model.embed.tubelet_stem is None and not any("tubelet_stem" in n for n, _ in model.named_parameters())
     prompt = build_prompt(tok, "a shape", image=make_image_bytes(32, 24),
                           video=make_video_bytes(seconds=1.0, fps=4, width=32, height=16))
     dec = CachedDecoder(model)
@@ -287,3 +320,5 @@ def test_a_conv_stem_model_counts_its_parameters_and_decodes_as_its_full_forward
     assert num_params(wide) == sum(p.numel() for p in OmniModel(wide).parameters()) > num_params(cfg)
     with pytest.raises(ValueError, match="conv_stem_width"):
         dataclasses.replace(cfg, conv_stem_width=0).validate()
+    with pytest.raises(ValueError, match="needs model.patch_stem=conv"):
+        dataclasses.replace(cfg, patch_stem="linear", conv_stem_video="frames").validate()
