@@ -346,7 +346,8 @@ def _run_settings(run_dir: Path) -> list[tuple[str, str]]:
         ("attention", f"pattern {m.attention.pattern}, backend {m.attention.backend}, window {m.attention.window}"),
         ("positions", f"M-RoPE {m.rope_layout} (t, h, w head dims {list(m.rope_sections)})"
          + (f", learned visual positions up to {m.visual_pos_max}" if m.visual_pos_max else "")
-         + (", conv patch stem" if getattr(m, "patch_stem", "linear") == "conv" else "")),
+         + (f", conv patch stem {m.conv_stem_width} wide" + (", clips frame by frame through it" if m.conv_stem_video == "frames" else "")
+            if m.patch_stem == "conv" else "")),
         ("MoE", f"{m.moe.num_experts} experts, top-{m.moe.num_experts_per_token}, {m.moe.num_shared_experts} shared"),
         ("data", ", ".join(f"{s.path} (weight {s.weight:g})" for s in d.sources) or "(none recorded)"),
         ("batch", f"{d.batch_size} rows x {d.seq_len} tokens per rank" + (f", {world} process(es)" if world else "")

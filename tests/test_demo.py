@@ -76,17 +76,19 @@ def test_full_demo_learns_to_read_pixels(tmp_path):
     assert "omniloom demo: done" in proc.stdout
     ev = json.loads((out / "eval.json").read_text())
     assert ev["cross_modal_gap"]["image"] >= 1.0 and ev["cross_modal_gap"]["video"] > 0
-    # The demo's model reads where things are and which way they move (issue 29): the old
-    # `sections` layout gave rows 45%, columns 42%, direction 35%, mirroring changed 20% of the
-    # column words; the shipped demo (900 steps, conv patch stem) measured rows and columns 100%,
-    # direction 99%, mirror and reverse 100%, exact 84% (BENCHMARKS.md). The bounds leave room for
-    # run-to-run spread, not for a model blind to layout.
+    # The demo's model reads what, where and which way (issue 29): the old `sections` layout gave
+    # rows 45%, columns 42%, direction 35%, exact captions 19%, mirroring changed 20% of the column
+    # words; the shipped demo (1000 steps, conv stem 32 wide, clips' frames through the image
+    # stem, 6,400 images and 3,200 clips) measured exact 96.5% / 95%, shape 96.5% / 95%, rows,
+    # columns and direction 100%, mirror 100%, reverse 99% (BENCHMARKS.md). The bounds leave room
+    # for run-to-run spread (seeds differ by a few points), not for a model blind to layout or shape.
     cap = ev["captions"]
     img, vid = cap["attributes"]["image"], cap["attributes"]["video"]
     assert cap["docs"] == {"image": 200, "video": 100}
     assert min(img["row"]["accuracy"], img["column"]["accuracy"]) >= 0.9, img
-    assert img["colour"]["accuracy"] >= 0.95 and vid["direction"]["accuracy"] >= 0.85, (img, vid)
-    assert cap["exact"]["image"] >= 0.7 and cap["probes"]["mirror"]["column_changed"] >= 0.9, cap["exact"]
+    assert img["colour"]["accuracy"] >= 0.95 and vid["direction"]["accuracy"] >= 0.9, (img, vid)
+    assert min(img["shape"]["accuracy"], vid["shape"]["accuracy"]) >= 0.85, (img, vid)
+    assert cap["exact"]["image"] >= 0.85 and cap["probes"]["mirror"]["column_changed"] >= 0.9, cap["exact"]
     assert cap["probes"]["reverse"]["direction_changed"] >= 0.85, cap["probes"]["reverse"]
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/loss/text" in r]

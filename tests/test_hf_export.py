@@ -30,9 +30,11 @@ NEW_TOKENS = 32
 EXPORTS = {
     "pooled": dict(pattern="LGB", selector="pooled", modality_groups=True),
     # ... and the settings of issue 29 (interleaved M-RoPE, learned visual positions, the conv
-    # patch stem): config fields the Hugging Face side knows nothing about, carried by omniloom's own code
+    # patch stem with clips' frames through the image stem, as the demo ships it): config fields
+    # the Hugging Face side knows nothing about, carried by omniloom's own code
     "indexer": dict(pattern="GBL", selector="indexer", modality_groups=False,
-                    extra=dict(rope_layout="interleaved", visual_pos_max=16, patch_stem="conv")),
+                    extra=dict(rope_layout="interleaved", visual_pos_max=16, patch_stem="conv", conv_stem_width=8,
+                               conv_stem_video="frames")),
 }
 LAYER_TASKS = ("omniloom_absent", "load", "logits", "loss_grads", "generate")
 TEXT_PROMPT = "The river bends twice"
