@@ -78,9 +78,9 @@ class DemoCorpusSettings:
     seed: int = 0
     image_size: int = 64
     # distinct training images and clips: the demo's model reads small shapes and clips it never
-    # saw far better from 4x / 8x these than from 1,600 / 400 (BENCHMARKS.md, issue 29)
+    # saw far better from 4x / 12x these than from 1,600 / 400 (BENCHMARKS.md, issue 29)
     num_images: int = 6400
-    num_videos: int = 3200
+    num_videos: int = 4800
     num_heldout_images: int = 200
     num_heldout_videos: int = 100
     num_interleaved: int = 60
