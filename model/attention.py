@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from .indexer import BlockIndexer, indexer_block_scores, selector_stats
 from .masks import (BatchLayout, MaskInfo, Selection, batch_layout, block_ranges, dense_mask, select_blocks_compact,
                     selected_block_slots, token_mask)
-from .span_attention import SpanAttention
+from .span_attention import SpanAttention, SpanPlan
 
 log = logging.getLogger(__name__)
 BACKENDS = ("sdpa", "blocksparse", "flex", "flash")
@@ -375,6 +375,8 @@ class AttnContext:
         BlockMask, or flash's cumulative lengths."""
         backend = self._backend_for(kind)
         if backend == "sdpa" or (backend == "blocksparse" and self._per_document(kind)):
+            if self.info.doc_BS.device.type == "cpu" and not torch.compiler.is_compiling():
+                self._span_plan(kind)  # what SpanAttention runs by (CPU, eager)
             return self._spans(kind)
         if backend == "blocksparse":
             return self._cached(f"gathered{kind}", lambda: self._gathered(kind))
@@ -416,7 +418,7 @@ class AttnContext:
         On CPU (eager) the spans run through `span_attention.SpanAttention`; elsewhere one sdpa call each."""
         spans = self._spans(kind)
         if q.device.type == "cpu" and not torch.compiler.is_compiling() and q.dtype == k.dtype == v.dtype:
-            return SpanAttention.apply(q, k, v, spans)
+            return SpanAttention.apply(q, k, v, spans, self._span_plan(kind))
         rows = []
         for b, row_spans in itertools.groupby(spans, key=lambda span: span[0]):  # spans come in row order
             parts = []
@@ -428,6 +430,10 @@ class AttnContext:
                     parts.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True))
             rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+    def _span_plan(self, kind: str) -> SpanPlan:
+        """The spans of an L or G layer grouped for the CPU kernel (span_attention.SpanPlan)."""
+        return self._cached(f"span_plan{kind}", lambda: SpanPlan(self._spans(kind), self.info.seq_len, self.info.doc_BS.device))
 
     def _spans(self, kind: str) -> tuple:
         """The attention of an L or G layer as disjoint query spans over the whole batch, in order:

@@ -53,8 +53,12 @@ class ConvStem(nn.Module):
         self.out_features = conv_stem_features(p, width)
 
     def forward(self, x_PD: torch.Tensor) -> torch.Tensor:
-        x = x_PD.reshape(-1, self.in_channels, self.p, self.p)
-        return F.gelu(self.conv2(F.gelu(self.conv1(x)))).flatten(1)
+        # The convolutions run channels-last (oneDNN's CPU kernels and cuDNN's tensor-core ones
+        # are NHWC-native); the last GELU runs on the (channel, y, x) order that flatten reads
+        # (its backward on channels-last strides against a contiguous gradient was 2.5x slower).
+        # 1,100 patch rows, forward + backward, one CPU thread: 45 ms against 63 ms all NCHW.
+        x = x_PD.reshape(-1, self.in_channels, self.p, self.p).contiguous(memory_format=torch.channels_last)
+        return F.gelu(self.conv2(F.gelu(self.conv1(x))).contiguous()).flatten(1)
 
 
 class MultimodalEmbedding(nn.Module):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from omniloom.model import attention as attention_mod
+from omniloom.model import span_attention as span_attention_mod
 from omniloom.model.attention import AttnContext, check_backend
 from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
 from omniloom.model.masks import batch_layout, build_mask_info, dense_mask, select_blocks
@@ -66,17 +67,21 @@ def test_blocksparse_matches_sdpa_forward_and_backward(kind, chunk_tokens, monke
         torch.testing.assert_close(AttnContext(info, "blocksparse", 3, q.device).attend(q, k, v, kind), ref)
 
 
+@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("visual_known", [True, False])
 @pytest.mark.parametrize("kind", ["L", "G"])
-def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_autocast(kind, visual_known, monkeypatch):
+def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_autocast(kind, visual_known, batched, monkeypatch):
     """L and G layers on CPU run their per-document spans through SpanAttention (torch's CPU
     flash kernel called directly, one output and one gradient buffer): packed rows with several
     documents, images and videos, window chunks that share one mask, G query chunks over
     documents with visual blocks (each against the keys up to its end or its visual blocks' end),
     float64 against the dense reference; bf16 autocast against the per-span sdpa path it
     replaces. Without the layout's visual blocks, a visual document is one span (G) or every
-    chunk looks a window ahead (L)."""
+    chunk looks a window ahead (L). `batched`: small spans gathered into one padded call per
+    shape (span_attention.SpanPlan, the default), or (thresholds 0) every span its own call."""
     monkeypatch.setattr(attention_mod, "G_VISUAL_CHUNK", 8)  # several G chunks per visual document
+    if not batched:
+        monkeypatch.setattr(span_attention_mod, "SMALL_QUERIES", 0)
     doc, blk = batch_fields(seq_len=96)
     info = build_mask_info(doc, blk, block_size=4, window=12)  # documents longer than the window: L chunks
     layout = batch_layout(doc, blk, block_size=4, window=12, num_selected=3)
@@ -101,6 +106,14 @@ def test_cpu_span_attention_matches_the_dense_reference_in_float64_and_under_aut
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     spans = ctx.cache[f"spans{kind}"]
     assert used == [len(spans)] and sum(q1 - q0 for _, q0, q1, *_ in spans) == B * S  # every query once
+    plan = ctx.cache[f"span_plan{kind}"]
+    in_buckets = [len(bucket[3]) for bucket in plan.buckets]  # real queries per padded call
+    assert sum(in_buckets) + sum(q1 - q0 for _, q0, q1, *_ in plan.large) == B * S
+    if batched:  # several spans per call, padded queries among them (lengths not multiples of 16)
+        assert plan.buckets and max(bucket[2].shape[0] for bucket in plan.buckets) > 1
+        assert any(len(bucket[3]) < bucket[0].numel() for bucket in plan.buckets)
+    else:
+        assert not plan.buckets and len(plan.large) == len(spans)
     visual_docs = [(b, s0, e0) for b, row in enumerate(layout.segments) for s0, e0, vis in row if vis]
     if kind == "G":  # a visual document: chunks of 8 queries when its visual blocks are known
         for b, s0, e0 in visual_docs:
