@@ -46,9 +46,12 @@ policies:
 
 output: DIR/NAME-000000.tar ... (WebDataset, one sample per document), DIR/manifest.json,
 DIR/rejects.jsonl. Same inputs and settings give byte-identical shards for any --workers.
+Documents are written in input order (sorted paths, then lines), or with --shuffle SEED in an order
+drawn from SEED (the same for the same inputs): use it when inputs come grouped by kind.
 Interrupted (even kill -9)? Run the same command again: it resumes after the last finished shard.
 Many machines? Run `--part I/N --out DIR_I` for I = 0..N-1, then `omniloom data merge DIR_* --out DIR`
-(merge drops duplicates across parts, so the result holds what one build would).
+(merge drops duplicates across parts, so the result holds what one build would; with --shuffle each
+part is shuffled on its own, and the copy of a duplicate kept may differ from one build's).
 A build locks DIR (a second build into it is refused), and exits 2 if it wrote no documents.
 """
 
@@ -79,6 +82,10 @@ def register(sub) -> None:
     b.add_argument("--shard-size", type=_size, default="1G", help="max bytes per shard (a larger single document gets its own shard; default 1G)")
     b.add_argument("--shard-docs", type=int, default=10_000, help="max documents per shard (default 10000)")
     b.add_argument("--on-bad-media", choices=("drop-segment", "drop-doc"), default="drop-segment", help="a bad media segment in an interleaved document drops just the segment (default) or the whole document")
+    b.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                   help="write the documents in an order drawn from SEED instead of input order: inputs that come grouped "
+                        "(all images, then all videos) otherwise give each training rank long runs of one kind, as a rank "
+                        "reads a contiguous range of the shards (default: input order)")
     b.add_argument("--no-dedup", action="store_true", help="keep exact duplicate documents")
     b.add_argument("--standalone-referenced", action="store_true", help="also make media referenced by HTML/JSONL documents standalone image/video documents")
     b.add_argument("--bad-utf8", choices=("reject", "replace"), default="reject", help="text that is not valid UTF-8: reject the file (default) or replace bad bytes with U+FFFD")
@@ -186,6 +193,7 @@ def _build(args) -> int:
         shard_max_docs=args.shard_docs, shard_max_bytes=args.shard_size, dedup=not args.no_dedup, ingest=ingest,
         standalone_referenced=args.standalone_referenced, overwrite=args.overwrite,
         progress=getattr(args, "quiet", 0) == 0, progress_seconds=args.progress_seconds, include_hidden=args.include_hidden,
+        shuffle=args.shuffle,
     )
     print(format_summary(args.out, summary))
     if summary["documents"] == 0:

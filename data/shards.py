@@ -165,6 +165,19 @@ def _isolated(unit: Unit, settings: IngestSettings) -> dict:
 # --- the build -------------------------------------------------------------------------------
 
 
+def shuffled_units(units, seed: int) -> list[int]:
+    """The order `--shuffle SEED` writes `units` in: by a hash of (seed, the unit's key), so it
+    depends on nothing but the seed and each input's identity (no library's random stream; an
+    input added later does not move the others relative to each other).
+
+    Why: a training rank reads a contiguous range of each epoch's shard sequence (data/stream.py),
+    so inputs that arrive grouped (a folder of images, then one of videos) give one rank long runs
+    of one kind and the ranks unequal work; shuffled before sharding, every range is a sample of
+    the whole."""
+    digest = [hashlib.sha256(f"{seed}:{u.key}".encode()).digest() for u in units]
+    return sorted(range(len(units)), key=digest.__getitem__)
+
+
 def parse_part(text: str) -> tuple[int, int]:
     """'I/N' -> (I, N) with 0 <= I < N (0-based, like SLURM_ARRAY_TASK_ID)."""
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text or "")
@@ -193,11 +206,13 @@ def build(
     progress: bool = True,
     progress_seconds: float = 30.0,
     include_hidden: bool = False,
+    shuffle: int | None = None,
 ) -> dict:
     """Build (or resume) a shard directory `out` from `sources`; return a summary dict with
     documents, shards, rejects by code, duplicates, bytes, seconds, whether it resumed and the
     hidden and cache files/folders discovery skipped. `progress`: a bar on a terminal, else a log
-    line every `progress_seconds` (0: none)."""
+    line every `progress_seconds` (0: none). `shuffle`: write the documents in an order drawn from
+    this seed (`shuffled_units`) instead of the sorted input order."""
     ingest = ingest or IngestSettings()
     if not _NAME_RE.match(name):
         raise ValueError(f"--name must use letters, digits, '-' and '_' only, got {name!r}")
@@ -212,11 +227,11 @@ def build(
         return _build_locked(sources, out, name=name, workers=workers, part=part, shard_max_docs=shard_max_docs,
                              shard_max_bytes=shard_max_bytes, dedup=dedup, ingest=ingest,
                              standalone_referenced=standalone_referenced, overwrite=overwrite, progress=progress,
-                             progress_seconds=progress_seconds, include_hidden=include_hidden, t0=t0)
+                             progress_seconds=progress_seconds, include_hidden=include_hidden, shuffle=shuffle, t0=t0)
 
 
 def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_max_bytes, dedup, ingest,
-                  standalone_referenced, overwrite, progress, progress_seconds, include_hidden, t0) -> dict:
+                  standalone_referenced, overwrite, progress, progress_seconds, include_hidden, shuffle, t0) -> dict:
     settings = {
         "sources": [printable(os.path.normpath(s)) for s in sources],
         "name": name,
@@ -226,6 +241,7 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
         "dedup": dedup,
         "standalone_referenced": standalone_referenced,
         **({"include_hidden": True} if include_hidden else {}),  # absent by default: older builds still resume
+        **({"shuffle": shuffle} if shuffle is not None else {}),
         **ingest.to_dict(),
     }
     skipped = Counter()
@@ -237,6 +253,11 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
         whole = {"units": len(units), "sha256": _set_digest(units)}
         order = [j for j, u in enumerate(units) if int(u.key, 16) % part[1] == part[0]]
         units = [units[j] for j in order]
+    if shuffle is not None:
+        perm = shuffled_units(units, shuffle)
+        units = [units[j] for j in perm]
+        if order is not None:
+            order = [order[j] for j in perm]
     log.info("found %d inputs%s in %.1fs", len(units), f" for part {part[0]}/{part[1]}" if part[1] > 1 else "", time.perf_counter() - t0)
     header = {"journal": 1, "settings": settings, "units": len(units), "units_sha256": _units_digest(units)}
     if whole is not None:

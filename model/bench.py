@@ -5,6 +5,9 @@
 2. One attention layer's forward + backward time, blocksparse against sdpa, at growing sequence
    lengths (one document of text), with the time ratio per doubling: a window layer should cost
    about 2x per doubling (linear), dense sdpa about 4x (quadratic).
+3. Packed short documents (the demo's rows of captioned images): one L layer's forward + backward
+   with the small spans gathered into padded calls against one kernel call per span, and the conv
+   patch stem channels-last (as the model runs it) against the same weights in NCHW.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import time
 import torch
 from tqdm import tqdm
 
+from . import span_attention
 from .attention import AttnContext
 from .config import AttentionConfig, ModelConfig, MoEConfig
 from .decoder import OmniModel
-from .masks import build_mask_info
+from .embeddings import ConvStem
+from .masks import batch_layout, build_mask_info
 from .synthetic import random_packed_batch
 
 
@@ -133,3 +138,52 @@ def format_attention(results, seq_lens, kinds, backends) -> list[str]:
                 if speed:
                     lines.append(f"     {backend} speedup over sdpa: {', '.join(speed)}")
     return lines
+
+
+def bench_packed(*, device: torch.device, rows: int, seq_len: int, doc_len: int, visual: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, window: int, stem_rows: int, stem_width: int, warmup: int,
+                 iters: int) -> dict[str, float]:
+    """Seconds per forward + backward of (a) one L layer over `rows` rows packed with documents of
+    `doc_len` tokens, each a visual block of `visual` tokens after its first token (a captioned
+    image), blocksparse backend: small spans batched (span_attention.SpanPlan, the default) and
+    one call per span (the thresholds set to 0; CPU only: elsewhere spans are one sdpa call each);
+    (b) the conv patch stem on `stem_rows` 16x16 RGB patches as the model runs it (channels-last)
+    and the same weights in NCHW (the reference)."""
+    out: dict[str, float] = {}
+    sync = sync_for(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    pos = torch.arange(seq_len, device=device)
+    doc = (pos // doc_len).to(torch.int32).expand(rows, seq_len).contiguous()
+    off = pos % doc_len
+    blk = torch.where((off >= 1) & (off < 1 + visual), pos // doc_len, -1).to(torch.int32).expand(rows, seq_len).contiguous()
+    info = build_mask_info(doc, blk, block_size=32, window=window)
+    layout = batch_layout(doc, blk, block_size=32, window=window, num_selected=4)
+    q = torch.randn(rows, seq_len, num_heads, head_dim, generator=g, device=device).transpose(1, 2).requires_grad_()
+    k = torch.randn(rows, num_kv_heads, seq_len, head_dim, generator=g, device=device, requires_grad=True)
+    v = torch.randn(rows, num_kv_heads, seq_len, head_dim, generator=g, device=device, requires_grad=True)
+    w = torch.randn(rows, num_heads, seq_len, head_dim, generator=g, device=device)
+
+    def layer():
+        ctx = AttnContext(info, "blocksparse", 4, q.device, layout)  # the plan is built per forward, as in the model
+        (ctx.attend(q, k, v, "L") * w).sum().backward()
+
+    modes = ("batched", "per span") if device.type == "cpu" else ("batched",)
+    for mode in modes:
+        before = span_attention.SMALL_QUERIES
+        span_attention.SMALL_QUERIES = before if mode == "batched" else 0
+        try:
+            out[f"spans {mode}"] = _time(layer, warmup=warmup, iters=iters, sync=sync)
+        finally:
+            span_attention.SMALL_QUERIES = before
+    torch.manual_seed(0)
+    stem = ConvStem(3, 16, stem_width).to(device)
+    x = torch.randn(stem_rows, 3 * 16 * 16, generator=g, device=device)
+    gy = torch.randn(stem_rows, stem.out_features, generator=g, device=device)
+
+    def nchw():
+        h = torch.nn.functional.gelu(stem.conv1(x.reshape(-1, 3, 16, 16)))
+        torch.nn.functional.gelu(stem.conv2(h)).flatten(1).backward(gy)
+
+    out["stem channels-last"] = _time(lambda: stem(x).backward(gy), warmup=warmup, iters=iters, sync=sync)
+    out["stem NCHW"] = _time(nchw, warmup=warmup, iters=iters, sync=sync)
+    return out

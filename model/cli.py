@@ -14,7 +14,9 @@ def register_bench(bench_sub) -> None:
             "(torch grouped_mm) against the per-expert loop, same weights and batch. Part 2: forward+backward "
             "time of one attention layer (one text document, GQA) for each layer kind and backend at growing "
             "sequence lengths, with the time ratio per doubling (a window layer should be near 2x, dense "
-            "sdpa near 4x) and blocksparse's speedup over sdpa. Shrink with --seq-lens / --kinds / --iters."
+            "sdpa near 4x) and blocksparse's speedup over sdpa. Part 3: rows packed with short captioned images "
+            "(the demo's): one L layer with the small document spans batched into padded calls against one call "
+            "per span (CPU), and the conv patch stem channels-last against NCHW. Shrink with --seq-lens / --kinds / --iters."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -38,6 +40,9 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--selector", choices=("pooled", "indexer"), default="pooled",
                    help="B-layer selector; indexer: learned index scores plus its KL loss and coverage on sampled blocks")
     p.add_argument("--indexer-dim", type=int, default=64, help="index width per head (--selector indexer)")
+    p.add_argument("--skip-packed", action="store_true", help="skip the packed-documents part (short-document spans, conv stem)")
+    p.add_argument("--packed-doc-len", type=int, default=29, help="packed part: tokens per document (the demo's captioned image: 29)")
+    p.add_argument("--stem-rows", type=int, default=1100, help="packed part: 16x16 patches through the conv stem (the demo: ~1,100 a rank a step)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (attention: at the shortest length of each kind and backend)")
     p.add_argument("--iters", type=int, default=2, help="timed calls (median reported)")
     p.set_defaults(func=_bench_model)
@@ -88,4 +93,22 @@ def _bench_model(args) -> int:
               f"window {args.window}, block {args.block_size}, {args.selected} blocks selected ({args.selector}), {dtype}:")
         for line in bench.format_attention(res, seq_lens, kinds, backends):
             print(line)
+
+    if not args.skip_packed:
+        iters = max(args.iters, 10)  # millisecond calls: a median over 10 at least
+        res = bench.bench_packed(
+            device=dev, rows=2, seq_len=512, doc_len=args.packed_doc_len, visual=16, num_heads=4, num_kv_heads=2,
+            head_dim=32, window=128, stem_rows=args.stem_rows, stem_width=32, warmup=max(args.warmup, 2), iters=iters,
+        )
+        print(f"\npacked documents (the demo's shapes), fwd+bwd, median of {iters}:")
+        print(f"  L layer, 2x512 tokens of {args.packed_doc_len}-token documents (16 visual), 4 / 2 heads x 32:")
+        for mode in ("batched", "per span"):
+            if f"spans {mode}" in res:
+                print(f"    spans {mode:<9} {res[f'spans {mode}'] * 1e3:>8.2f} ms")
+        if "spans per span" in res:
+            print(f"    batched speedup  {res['spans per span'] / res['spans batched']:>8.2f}x")
+        print(f"  conv patch stem (32 then 64 channels), {args.stem_rows} patches:")
+        print(f"    channels-last    {res['stem channels-last'] * 1e3:>8.2f} ms")
+        print(f"    NCHW             {res['stem NCHW'] * 1e3:>8.2f} ms")
+        print(f"    speedup          {res['stem NCHW'] / res['stem channels-last']:>8.2f}x")
     return 0

@@ -75,9 +75,12 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
     ]
     return [
         Stage("demo corpus", _omniloom("data", "demo-corpus", "--out", str(corpus)), corpus / "README.txt"),
+        # --shuffle: the inputs come grouped (all images, then all clips); in input order one rank
+        # would read mostly images and the other mostly clips for long stretches (unequal work a
+        # step, and each rank's stream one kind at a time)
         Stage("data build (synthetic)", _omniloom("data", "build", str(train / "shapes.jsonl"), str(train / "motion.jsonl"),
                                                   str(train / "interleaved.jsonl"), "--out", str(shards / "synthetic"),
-                                                  "--name", "synthetic", "--workers", "2"),
+                                                  "--name", "synthetic", "--workers", "2", "--shuffle", "0"),
               shards / "synthetic" / "manifest.json"),
         Stage("data build (real files)", _omniloom("data", "build", str(train / "stdlib"), str(train / "docs"), str(train / "photos"),
                                                    "--out", str(shards / "real"), "--name", "real"),

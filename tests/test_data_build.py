@@ -138,6 +138,34 @@ def test_workers_1_and_2_agree_byte_for_byte(corpus, tmp_path):
     assert sorted(os.listdir(tmp_path / "w1")) == sorted(os.listdir(tmp_path / "w2"))
 
 
+def test_shuffle_writes_the_same_documents_in_a_seeded_order(corpus, tmp_path):
+    """--shuffle SEED: the documents of the input-order build, in an order that mixes the kinds
+    (the inputs come grouped by folder), the same for any --workers and recorded in the manifest;
+    another seed gives another order."""
+    root, _, _ = corpus
+    plain = build([str(root)], str(tmp_path / "plain"), shard_max_docs=3, progress=False)
+    runs = {(seed, workers): build([str(root)], str(tmp_path / f"s{seed}w{workers}"), shard_max_docs=3, progress=False,
+                                   workers=workers, shuffle=seed) for seed, workers in ((7, 1), (7, 2), (8, 1))}
+    assert all(r["documents"] == plain["documents"] for r in runs.values())
+
+    def order(name):
+        man = read_manifest(tmp_path / name)
+        return [smp["key"] for shard in man["shards"] for smp in shard["samples"]], man["settings"]
+
+    keys, settings = order("plain")
+    shuffled, shuffled_settings = order("s7w1")
+    assert "shuffle" not in settings and shuffled_settings["shuffle"] == 7
+    assert sorted(shuffled) == sorted(keys) and shuffled != keys
+    assert order("s7w2")[0] == shuffled and order("s8w1")[0] not in (shuffled, keys)
+    for name in os.listdir(tmp_path / "s7w1"):  # byte for byte, as without --shuffle
+        assert (tmp_path / "s7w1" / name).read_bytes() == (tmp_path / "s7w2" / name).read_bytes(), name
+    kind = {key: doc["segments"][0]["type"] for key, (doc, _) in _docs(tmp_path / "plain").items()}
+    half = len(keys) // 2
+    grouped = [len({kind[k] for k in part}) for part in (keys[:half], keys[half:])]
+    mixed = [len({kind[k] for k in part}) for part in (shuffled[:half], shuffled[half:])]
+    assert min(mixed) > 1 and sum(mixed) > sum(grouped), (grouped, mixed)  # each rank's half sees more kinds
+
+
 def test_size_bound_and_duplicates(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -208,15 +236,16 @@ def _run_build(src, out, *extra, env=None):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
 
 
-def test_kill_9_and_resume_is_byte_identical(corpus, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--shuffle", "7")])
+def test_kill_9_and_resume_is_byte_identical(corpus, tmp_path, extra):
     root, _, _ = corpus
     clean = tmp_path / "clean"
-    p = _run_build(root, clean)
+    p = _run_build(root, clean, *extra)
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     out = tmp_path / "killed"
     env = {**os.environ, "OMNILOOM_TEST_BUILD_PAUSE": "0.15"}
     for _ in range(2):  # kill twice: once in the first run, once in a resumed run
-        p = _run_build(root, out, env=env)
+        p = _run_build(root, out, *extra, env=env)
         deadline = time.time() + 60
         journal = out / ".build-journal.jsonl"
         start_lines = len(journal.read_text().splitlines()) if journal.exists() else 0
@@ -229,7 +258,7 @@ def test_kill_9_and_resume_is_byte_identical(corpus, tmp_path):
         assert not (out / "manifest.json").exists()
         assert any(f.name.endswith(".tar.tmp") for f in out.iterdir())
     done_before = {f.name: f.stat().st_mtime_ns for f in out.iterdir() if f.name.endswith(".tar")}
-    p = _run_build(root, out)
+    p = _run_build(root, out, *extra)
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     assert "(resumed)" in p.stdout.read().decode()
     for name, mtime in done_before.items():  # completed shards were not rewritten

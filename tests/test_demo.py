@@ -40,6 +40,9 @@ def test_every_stage_parses_with_the_real_cli(tmp_path):
     export = next(st for st in stages if st.name == "export")
     assert "--force" in export.argv  # an export cut off before config.json is redone, not refused
     assert "--force" in next(st for st in stages if st.name == "tokenizer train").argv
+    synthetic = next(st for st in stages if st.name == "data build (synthetic)")
+    args = parser.parse_args(synthetic.argv[synthetic.argv.index("omniloom.pretrain.cli") + 1:])
+    assert args.shuffle == 0  # images and clips come grouped: each rank's range must hold both
 
 
 @pytest.mark.parametrize("processes", [1, 2])

@@ -203,10 +203,14 @@ def test_bench_command_runs_tiny(capsys):
     from omniloom.pretrain.cli import main
 
     argv = ["bench", "model", "--seq-lens", "128,256", "--window", "64", "--block-size", "32", "--selected", "2",
-            "--moe-seq-len", "64", "--moe-batch", "1", "--moe-dim", "64", "--moe-experts", "4", "--iters", "1", "--warmup", "0"]
+            "--moe-seq-len", "64", "--moe-batch", "1", "--moe-dim", "64", "--moe-experts", "4", "--iters", "1", "--warmup", "0",
+            "--stem-rows", "16"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "grouped / loop" in out and "blocksparse speedup over sdpa" in out and "x" in out.split("per doubling")[1]
+    packed = out.split("packed documents")[1]  # part 3: both span modes on CPU, the stem both ways
+    assert "spans batched" in packed and "spans per span" in packed and "batched speedup" in packed
+    assert "16 patches" in packed and "channels-last" in packed and "NCHW" in packed
     assert main(["bench", "model", "--kinds", "X"]) == 2
 
 
