@@ -143,15 +143,38 @@ def format_attention(results, seq_lens, kinds, backends) -> list[str]:
 def bench_packed(*, device: torch.device, rows: int, seq_len: int, doc_len: int, visual: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, window: int, stem_rows: int, stem_width: int, warmup: int,
                  iters: int) -> dict[str, float]:
-    """Seconds per forward + backward of (a) one L layer over `rows` rows packed with documents of
-    `doc_len` tokens, each a visual block of `visual` tokens after its first token (a captioned
-    image), blocksparse backend: small spans batched (span_attention.SpanPlan, the default) and
-    one call per span (the thresholds set to 0; CPU only: elsewhere spans are one sdpa call each);
-    (b) the conv patch stem on `stem_rows` 16x16 RGB patches as the model runs it (channels-last)
-    and the same weights in NCHW (the reference)."""
+    """Seconds per forward + backward of (a) the conv patch stem on `stem_rows` 16x16 RGB patches
+    as the model runs it (channels-last) and the same weights in NCHW (the reference); (b) one L
+    layer over `rows` rows packed with documents of `doc_len` tokens, each a visual block of
+    `visual` tokens after its first token (a captioned image), blocksparse backend: small spans
+    batched (span_attention.SpanPlan, the default) and one call per span (the thresholds set to
+    0; CPU only: elsewhere spans are one sdpa call each).
+
+    Each pair is timed in alternating rounds (the median of the rounds' medians): on the CPU a
+    convolution's speed moved by 10-20% depending on which kernels ran just before it (the stem
+    timed right after the attention calls came out 0.85-0.95x, alone and alternating 1.2-1.35x)."""
     out: dict[str, float] = {}
     sync = sync_for(device)
     g = torch.Generator(device=device).manual_seed(0)
+    rounds = 3
+
+    def alternate(fns: dict) -> None:
+        times = {name: [] for name in fns}
+        for r in range(rounds):
+            for name, fn in fns.items():
+                times[name].append(_time(fn, warmup=warmup if r == 0 else 1, iters=iters, sync=sync))
+        out.update({name: statistics.median(t) for name, t in times.items()})
+
+    torch.manual_seed(0)
+    stem = ConvStem(3, 16, stem_width).to(device)
+    x = torch.randn(stem_rows, 3 * 16 * 16, generator=g, device=device)
+    gy = torch.randn(stem_rows, stem.out_features, generator=g, device=device)
+
+    def nchw():
+        h = torch.nn.functional.gelu(stem.conv1(x.reshape(-1, 3, 16, 16)))
+        torch.nn.functional.gelu(stem.conv2(h)).flatten(1).backward(gy)
+
+    alternate({"stem channels-last": lambda: stem(x).backward(gy), "stem NCHW": nchw})
     pos = torch.arange(seq_len, device=device)
     doc = (pos // doc_len).to(torch.int32).expand(rows, seq_len).contiguous()
     off = pos % doc_len
@@ -167,23 +190,13 @@ def bench_packed(*, device: torch.device, rows: int, seq_len: int, doc_len: int,
         ctx = AttnContext(info, "blocksparse", 4, q.device, layout)  # the plan is built per forward, as in the model
         (ctx.attend(q, k, v, "L") * w).sum().backward()
 
-    modes = ("batched", "per span") if device.type == "cpu" else ("batched",)
-    for mode in modes:
+    def per_span():
         before = span_attention.SMALL_QUERIES
-        span_attention.SMALL_QUERIES = before if mode == "batched" else 0
+        span_attention.SMALL_QUERIES = 0
         try:
-            out[f"spans {mode}"] = _time(layer, warmup=warmup, iters=iters, sync=sync)
+            layer()
         finally:
             span_attention.SMALL_QUERIES = before
-    torch.manual_seed(0)
-    stem = ConvStem(3, 16, stem_width).to(device)
-    x = torch.randn(stem_rows, 3 * 16 * 16, generator=g, device=device)
-    gy = torch.randn(stem_rows, stem.out_features, generator=g, device=device)
 
-    def nchw():
-        h = torch.nn.functional.gelu(stem.conv1(x.reshape(-1, 3, 16, 16)))
-        torch.nn.functional.gelu(stem.conv2(h)).flatten(1).backward(gy)
-
-    out["stem channels-last"] = _time(lambda: stem(x).backward(gy), warmup=warmup, iters=iters, sync=sync)
-    out["stem NCHW"] = _time(nchw, warmup=warmup, iters=iters, sync=sync)
+    alternate({"spans batched": layer, **({"spans per span": per_span} if device.type == "cpu" else {})})
     return out

@@ -100,7 +100,7 @@ def _bench_model(args) -> int:
             device=dev, rows=2, seq_len=512, doc_len=args.packed_doc_len, visual=16, num_heads=4, num_kv_heads=2,
             head_dim=32, window=128, stem_rows=args.stem_rows, stem_width=32, warmup=max(args.warmup, 2), iters=iters,
         )
-        print(f"\npacked documents (the demo's shapes), fwd+bwd, median of {iters}:")
+        print(f"\npacked documents (the demo's shapes), fwd+bwd, ms: median of 3 alternating rounds of {iters}:")
         print(f"  L layer, 2x512 tokens of {args.packed_doc_len}-token documents (16 visual), 4 / 2 heads x 32:")
         for mode in ("batched", "per span"):
             if f"spans {mode}" in res:
