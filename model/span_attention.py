@@ -20,7 +20,7 @@ class SpanPlan:
     """How one forward's spans run (built once per forward and layer kind, shared by its layers):
 
     - `large`: spans bigger than SMALL_QUERIES x SMALL_KEYS, or alone in their padded shape: one
-      kernel call each on contiguous slices (no copy), with their additive masks;
+      kernel call each on contiguous slices (no copy);
     - `buckets`: the small spans grouped by padded shape (queries and keys rounded up to PAD_TO),
       each group gathered into [n, H, Lq, Lk]-shaped problems and run as one call. A padded key is
       masked out (-inf); a padded query row sees every key of its problem (finite softmax) and
@@ -49,9 +49,6 @@ class SpanPlan:
                 self.buckets.append(_bucket(group, Lq, Lk, seq_len, device))
         self.large = large
 
-    def __len__(self) -> int:
-        return len(self.spans)
-
 
 class SpanAttention(torch.autograd.Function):
     """CPU: spans (disjoint query ranges, each against one contiguous key range, causal or masked)
@@ -62,14 +59,16 @@ class SpanAttention(torch.autograd.Function):
     Per-span sdpa calls under autograd instead give every span a zero-filled full-size gradient
     that autograd then sums (O(spans x S) work), and a cat of the outputs: 11% of an L layer's
     forward + backward at 4k tokens (32 chunks). The kernel needs an additive mask of the
-    query's dtype (a bool mask is refused, and a mask of another float dtype is misread): SpanPlan
-    converts them once per call."""
+    query's dtype (a bool mask is refused, and a mask of another float dtype is misread): the
+    plan's bool masks are converted once per call (one op per bucket)."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
     def forward(ctx, q, k, v, spans, plan: SpanPlan):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         B, H, S, D = q.shape
+        if plan.spans is not spans:
+            raise ValueError("SpanAttention: the plan was built for other spans")
         if S != plan.seq_len:
             raise ValueError(f"SpanPlan built for {plan.seq_len} tokens a row, the queries have {S}")
         out_BSHD = q.new_empty(B, S, H, D)
