@@ -2,7 +2,8 @@
 
 How the guarantees are met:
 - Deterministic: units are discovered in sorted order and processed by a pure function; workers
-  only compute, the main process consumes results strictly in unit order and alone decides
+  only compute, the main process consumes results strictly in unit order (sorted, or with
+  `--shuffle SEED` ordered by a hash of the seed and each unit's key) and alone decides
   duplicates and shard boundaries; tar headers are fixed (mtime 0, uid/gid 0, mode 0644, USTAR).
   So the bytes do not depend on `--workers`.
 - Resumable: each shard is written to `NAME-000000.tar.tmp`, fsynced, renamed, and only then a

@@ -82,7 +82,7 @@ class SpanAttention(torch.autograd.Function):
             lses.append(lse)
         if plan.buckets:
             out_T = out_BSHD.view(B * S, H, D)
-            flat = _flat(q), _flat(k), _flat(v)
+            flat = _rows(q), _rows(k), _rows(v)
             for bucket, mask in zip(plan.buckets, bucket_masks):
                 qg, kg, vg = _gather(bucket, *flat)
                 o, lse = flash(qg, kg, vg, 0.0, False, attn_mask=mask)
@@ -111,8 +111,8 @@ class SpanAttention(torch.autograd.Function):
             dk[kr] += gk
             dv[kr] += gv
         if plan.buckets:
-            flat = _flat(q), _flat(k), _flat(v)
-            go_T, out_T = _flat(grad_out), _flat(out)
+            flat = _rows(q), _rows(k), _rows(v)
+            go_T, out_T = _rows(grad_out), _rows(out)
             dq_T, dk_T, dv_T = dq_BSHD.view(B * S, H, D), dk_BSKD.view(B * S, K, D), dv_BSKD.view(B * S, K, D)
             for bucket, mask, lse in zip(plan.buckets, bucket_masks, lses[len(plan.large):]):
                 q_idx, k_idx, _, dst, src = bucket
@@ -133,14 +133,9 @@ def _round_up(n: int) -> int:
     return -(-n // PAD_TO) * PAD_TO
 
 
-def _flat(x_BHSD: torch.Tensor) -> torch.Tensor:
-    """[B, H, S, D] as [B * S, H, D] token rows (a view when x is a [B, S, H, D] buffer)."""
-    B, H, S, D = x_BHSD.shape
-    return x_BHSD.transpose(1, 2).reshape(B * S, H, D)
-
-
 def _rows(x_nHLD: torch.Tensor) -> torch.Tensor:
-    """[n, H, L, D] problems as [n * L, H, D] rows."""
+    """[n, H, L, D] (the batch's [B, H, S, D], or a bucket's problems) as [n * L, H, D] token rows:
+    a view when x is an [n, L, H, D] buffer seen transposed, as q and the output are."""
     n, H, L, D = x_nHLD.shape
     return x_nHLD.transpose(1, 2).reshape(n * L, H, D)
 
