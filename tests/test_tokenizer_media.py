@@ -188,6 +188,59 @@ def test_tubelet_inverse_and_padding():
     assert back.shape[0] == 6 and np.array_equal(back[:5], frames) and np.array_equal(back[5], frames[4])
 
 
+def test_decode_threads_and_the_shared_scaler_do_not_change_frames():
+    """video_threads=0 decodes small frames on one thread (larger ones on FFmpeg's threads), and
+    small frames share one scaler per thread, scaling on one thread: the frames equal those of
+    an explicit thread count and of a scaler with swscale's own threads, also when the frame size
+    changes from one video to the next (the shared scaler is rebuilt)."""
+    import av
+    from av.video.reformatter import VideoReformatter
+
+    from omniloom.tokenizers import video as video_mod
+
+    small = make_video_bytes(2.0, 10, 64, 48)
+    assert 64 * 48 <= video_mod.SINGLE_THREAD_MAX_PIXELS < 400 * 300
+    large = make_video_bytes(1.0, 10, 400, 300)
+    wide = make_video_bytes(1.0, 10, 96, 32)
+    first = {}
+    for name, data in (("small", small), ("large", large), ("wide", wide), ("small", small), ("large", large)):
+        auto, _ = decode_video(data, S)
+        for threads in (1, 3):
+            fixed, _ = decode_video(data, S.replace(video_threads=threads))
+            assert np.array_equal(auto, fixed), (name, threads)
+        assert np.array_equal(first.setdefault(name, auto), auto), name  # after another size: the same frames
+    assert first["small"].shape != first["large"].shape != first["wide"].shape
+    # the shared one-thread scaler against a scaler of its own (swscale's threads on PyAV >= 17)
+    with av.open(io.BytesIO(small)) as container:
+        frame = next(container.decode(video=0))
+    h, w = first["small"].shape[1:3]
+    own = VideoReformatter().reformat(frame, width=w, height=h, format="rgb24", interpolation="AREA").to_ndarray()
+    assert np.array_equal(own, first["small"][0])
+    assert video_mod._scaler(64, 48)[0] is video_mod._scaler(64, 48)[0]
+    assert video_mod._scaler(400, 300)[0] is not video_mod._scaler(400, 300)[0]
+
+
+def _decode_in_child(data, queue):
+    queue.put(decode_video(data, S)[0])
+
+
+def test_a_forked_child_decodes_after_the_parent_did():
+    """The parent's shared scaler reaches a forked child (a DataLoader worker) and must not be
+    used or freed there: that hung in swscale, which waited for the parent's threads."""
+    import multiprocessing
+
+    small, other = make_video_bytes(1.0, 10, 64, 48), make_video_bytes(1.0, 10, 48, 32)
+    decode_video(small, S)  # the parent's scaler now exists
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_decode_in_child, args=(other, queue))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert np.array_equal(got, decode_video(other, S)[0])
+
+
 @pytest.mark.parametrize("codec,container", [("libx264", "mp4"), ("mpeg4", "avi")])
 def test_corrupt_middle_keeps_good_frames(codec, container):
     data = bytearray(make_video_bytes(4.0, 10, 64, 48, codec, container))

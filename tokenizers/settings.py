@@ -53,7 +53,7 @@ class MediaSettings:
     video_patch_budget: int = 64
     video_sampling: str = "clip"
     video_clip_start: float = 0.0
-    video_threads: int = 0  # 0: let FFmpeg pick; frame threading decodes frames in parallel
+    video_threads: int = 0  # 0: one thread for frames up to 320x240, else FFmpeg's pick (frame threads); N: N threads
     pixel_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     pixel_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     patch_dtype: str = "float32"
