@@ -12,6 +12,7 @@ scatter back (moe_unpermute) + shared experts. No token is dropped.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 import torch.nn as nn
@@ -83,11 +84,24 @@ class _ContiguousGrad(torch.autograd.Function):
         return g.contiguous()
 
 
-@torch.compiler.disable
 def _eager_grouped(moe: "MoE", x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """fp32 grouped matmul under torch.compile, run eagerly between graphs: the CPU kernel takes
-    fp32, but torch's fake-tensor rule for grouped_mm admits only bf16/fp16, so tracing it fails."""
+    fp32, but torch's fake-tensor rule for grouped_mm admits only bf16/fp16, so tracing it fails.
+    Wrapped in `torch.compiler.disable` by `_eager_grouped_disabled`, not at import: the decorator
+    imports torch._dynamo, 1.1 s of every eval, generate and training process's start."""
     return moe.experts_grouped(x_ND, counts_E)
+
+
+_EAGER_GROUPED_DISABLED: list = []  # [torch.compiler.disable(_eager_grouped)] once torch._dynamo is loaded
+
+
+def _eager_grouped_disabled():
+    """The disabled wrapper, made outside compiled code (MoE.prepare) once torch._dynamo is
+    imported, as it is before anything compiles. Made inside a compiled region instead (a model
+    compiled whole, prepare included), the call to torch.compiler.disable is one more graph break."""
+    if not _EAGER_GROUPED_DISABLED:
+        _EAGER_GROUPED_DISABLED.append(torch.compiler.disable(_eager_grouped))
+    return _EAGER_GROUPED_DISABLED[0]
 
 
 class MoE(nn.Module):
@@ -154,6 +168,8 @@ class MoE(nn.Module):
         it before the blocks run: made inside a checkpointed, compiled block, storing the choice
         would be a side effect that dynamo refuses there (the block then runs uncompiled)."""
         self.use_grouped(x.device, self._compute_dtype(x))
+        if "torch._dynamo" in sys.modules:  # compile is (or may be) in use: make the wrapper here, not in a graph
+            _eager_grouped_disabled()
 
     def run_experts(self, x_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """The experts this module holds (all of them, or this rank's shard under expert
@@ -161,7 +177,7 @@ class MoE(nn.Module):
         dtype = self._compute_dtype(x_ND)
         if self.use_grouped(x_ND.device, dtype):
             if dtype == torch.float32 and torch.compiler.is_compiling():
-                return _eager_grouped(self, x_ND, counts_E)
+                return _eager_grouped_disabled()(self, x_ND, counts_E)
             return self.experts_grouped(x_ND, counts_E)
         return self.experts_loop(x_ND, counts_E)
 

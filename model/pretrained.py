@@ -217,6 +217,28 @@ def check_config_against_weights(cfg, path: str | Path) -> None:
     check_config_against_shapes(cfg, read_safetensors_shapes(path), path)
 
 
+def _skip_meta_init():
+    """A TorchFunctionMode under which random or constant initialisation of a meta tensor does
+    nothing: a model built on the meta device only for its shapes need not run its init, whose
+    meta kernels (torch._refs) import torch._dynamo, 1 s of every eval, export and generate."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    names = {"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "orthogonal_", "constant_", "zeros_", "ones_", "zero_", "fill_"}
+
+    class SkipMetaInit(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__name__", None) in names:
+                t = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes its tensor by keyword
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    return t
+            return func(*args, **kwargs)
+
+    return SkipMetaInit()
+
+
 def check_config_against_shapes(cfg, shapes: dict[str, tuple[int, ...]], where, config_name: str = CONFIG_NAME) -> None:
     """`check_config_against_weights` for tensor shapes already known (a training checkpoint's
     weights, read before the model is built): bounds every config integer, then compares the
@@ -229,7 +251,7 @@ def check_config_against_shapes(cfg, shapes: dict[str, tuple[int, ...]], where, 
     layers = {int(k.split(".")[1]) for k in shapes if k.startswith("layers.") and k.split(".")[1].isdigit()}
     if cfg.num_layers != len(layers):  # checked first: building a huge layer count even on meta takes long
         raise ValueError(f"{where}: {config_name} says model.num_layers={cfg.num_layers}, the weights hold {len(layers)} layers")
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_meta_init():
         expected = {k: tuple(v.shape) for k, v in OmniModel(cfg).state_dict().items()}
     missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     if missing or unexpected:
