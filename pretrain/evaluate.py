@@ -1,8 +1,8 @@
 """`omniloom eval`: held-out loss and perplexity per modality, and the cross-modal gap.
 
 Documents are read from shards in manifest order (all of them, or the first `max_docs`), tokenized with the model's own
-tokenizer and scored one document per forward (no packing, so nothing but the document is in
-context); a document longer than `max_len` (default: the run's seq_len) is scored in pieces cut
+tokenizer and scored one document per row (no packing, so nothing but the document is in
+context; documents of one length share a forward, a row each); a document longer than `max_len` (default: the run's seq_len) is scored in pieces cut
 the way training cuts it. Cross-entropy is attributed to the modality of the *target* token, as in training.
 
 Cross-modal gap: for every document with a visual block, the text is scored twice, once with its
@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 MODALITY_NAMES = ("text", "code", "image", "video", "special")
 TEXT, CODE, IMAGE, VIDEO = 0, 1, 2, 3
 DONOR_POOL = 8  # recent visual blocks per kind kept as donors
+EVAL_BATCH_TOKENS = 8192  # rows x tokens per scoring forward (documents of one length share it)
+EVAL_CHUNK_DOCS = 64  # documents read ahead, then scored together
 
 
 @dataclass
@@ -169,6 +171,49 @@ def _token_losses(model, doc, max_len: int, patch_width: int, coverage: list | N
     return torch.cat(ces), torch.cat(mods), torch.cat(valids)
 
 
+@torch.no_grad()
+def _token_losses_many(model, docs: list, max_len: int, patch_width: int, coverage: list | None = None) -> list:
+    """`_token_losses` of each document, or the PackingError that refused it. Documents that fit
+    in one piece share forwards with the others of their length, one row each (so a row still
+    holds only its document): 300 held-out captions take a handful of forwards, not 300. With
+    `coverage` (B layers measuring theirs per piece) each document runs alone."""
+    from omniloom.data.batch import collate_rows
+    from omniloom.data.packing import PackingError, split_document
+    from omniloom.tokenizers.layout import PAD_ID
+
+    out: list = [None] * len(docs)
+    groups: dict[int, list[tuple[int, object]]] = defaultdict(list)
+    for i, doc in enumerate(docs):
+        try:
+            pieces = split_document(doc, max(max_len, 8))
+            if len(pieces) > 1 or coverage is not None:
+                out[i] = _token_losses(model, doc, max_len, patch_width, coverage)
+            else:
+                groups[len(pieces[0])].append((i, pieces[0]))
+        except PackingError as err:
+            out[i] = err
+    dev = next(model.parameters()).device
+    make_layout = getattr(model, "batch_layout", None)  # read on the host copy: no device sync
+    for L, members in sorted(groups.items()):
+        per = max(1, EVAL_BATCH_TOKENS // L)
+        for at in range(0, len(members), per):
+            rows = members[at:at + per]
+            batch, _ = collate_rows([[piece] for _, piece in rows], seq_len=L, pad_id=PAD_ID, patch_dim=patch_width,
+                                    patch_dtype="float32")
+            layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
+            batch = batch.to(dev)
+            with tuned(L * len(rows)):
+                res = model(**batch.as_dict(), return_logits=True, **({"layout": layout} if layout is not None else {}))
+            logits = res.logits.float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1).clamp(min=0),
+                                 reduction="none").reshape(len(rows), L).cpu()
+            valid = (batch.labels != -100).cpu()
+            mods = torch.roll(batch.modality, -1, dims=1).long().cpu()
+            for r, (i, _) in enumerate(rows):
+                out[i] = (ce[r], mods[r], valid[r])
+    return out
+
+
 def _doc_kind(doc) -> str:
     kinds = {b.kind for b in doc.blocks}
     if not kinds:
@@ -208,13 +253,14 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
     pending: list[tuple[int, object, tuple]] = []  # visual docs seen before any donor of their kind
     per_doc: dict[str, list[tuple[float, int]]] = defaultdict(list)  # kind -> (donor - own CE sum, targets) per document
 
-    def score_gap(index: int, doc, own: tuple) -> bool:
-        """`own`: the document's (ce, modality, valid) from the main pass (one piece: it fits max_len)."""
+    def swap_in_donors(index: int, doc):
+        """The document with every visual block replaced by a donor's (module doc), or None
+        while no other document of that kind has been seen."""
         donors = []
         for blk in doc.blocks:
             cands = [d for d in reversed(pool[blk.kind]) if d.doc_index != index]
             if not cands:
-                return False
+                return None
             same = [d for d in cands if tuple(d.grid) == tuple(blk.grid)]
             donor = same[0] if same else cands[0]
             if same:
@@ -223,25 +269,61 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
                 patches = resample_patches(donor.patches_ND, donor.grid, blk.grid, blk.kind, tokenizer.settings)
                 counts["gap_donors_resampled"] += 1
             donors.append(VisualBlock(start=blk.start, length=blk.length, kind=blk.kind, patches_ND=patches, grid=blk.grid))
-        swapped = type(doc)(ids_L=doc.ids_L, modality_L=doc.modality_L, positions_3L=doc.positions_3L, blocks=donors, key=doc.key)
-        first_end = min(b.start + b.length for b in doc.blocks)
-        kind = _doc_kind(doc)
-        sums = {}
-        for name, scored in (("own", own), ("donor", None)):
-            ce, tmod, valid = scored if scored is not None else _token_losses(model, swapped, max_len, patch_width)
-            sel = valid & ((tmod == TEXT) | (tmod == CODE))
-            sel[:first_end] = False
-            sums[name] = (float(ce[sel].sum()), int(sel.sum()))
-            gap[name].add(kind, *sums[name])
-        per_doc[kind].append((sums["donor"][0] - sums["own"][0], sums["own"][1]))
-        counts[f"gap_docs_{kind}"] += 1
-        return True
+        return type(doc)(ids_L=doc.ids_L, modality_L=doc.modality_L, positions_3L=doc.positions_3L, blocks=donors, key=doc.key)
+
+    def score_gaps(swaps: list) -> None:
+        """Score the swapped documents together, then add each gap in document order.
+        `swaps`: (doc, own (ce, modality, valid) from the main pass, swapped doc)."""
+        donor_scores = _token_losses_many(model, [sw for _, _, sw in swaps], max_len, patch_width)
+        for (doc, own, _), donor in zip(swaps, donor_scores):
+            first_end = min(b.start + b.length for b in doc.blocks)
+            kind = _doc_kind(doc)
+            sums = {}
+            for name, (ce, tmod, valid) in (("own", own), ("donor", donor)):
+                sel = valid & ((tmod == TEXT) | (tmod == CODE))
+                sel[:first_end] = False
+                sums[name] = (float(ce[sel].sum()), int(sel.sum()))
+                gap[name].add(kind, *sums[name])
+            per_doc[kind].append((sums["donor"][0] - sums["own"][0], sums["own"][1]))
+            counts[f"gap_docs_{kind}"] += 1
+
+    def score_chunk(chunk: list) -> None:
+        """Score read-ahead documents (index, doc) together, then account for them in order."""
+        owns = _token_losses_many(model, [doc for _, doc in chunk], max_len, patch_width, coverage if b_layers else None)
+        swaps = []
+        for (index, doc), own in zip(chunk, owns):
+            if isinstance(own, PackingError):
+                skipped[own.reason] += 1
+                continue
+            ce, tmod, valid = own
+            kind = _doc_kind(doc)
+            counts["docs"] += 1
+            counts[f"docs_{kind}"] += 1
+            for m, name in enumerate(MODALITY_NAMES):
+                sel = valid & (tmod == m)
+                if bool(sel.any()):
+                    by_mod.add(name, float(ce[sel].sum()), int(sel.sum()))
+            by_mod.add("all", float(ce[valid].sum()), int(valid.sum()))
+            by_kind.add(kind, float(ce[valid].sum()), int(valid.sum()))
+            if doc.blocks and len(doc) > max_len:
+                counts["gap_docs_too_long"] += 1  # a swap must keep the whole document in one context
+            elif doc.blocks:
+                swapped = swap_in_donors(index, doc)
+                if swapped is None:
+                    pending.append((index, doc, own))
+                else:
+                    swaps.append((doc, own, swapped))
+                for blk in doc.blocks:
+                    pool[blk.kind].append(_Donor(index, blk.kind, tuple(blk.grid), np.asarray(blk.patches_ND, dtype=np.float32)))
+        if swaps:
+            score_gaps(swaps)
 
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=total, desc="eval", unit="doc", leave=False)
+    chunk: list = []
     for index, (doc_json, media) in enumerate(_iter_documents(sets, max_docs, skipped)):
         if bar is not None:
             bar.update()
@@ -251,30 +333,21 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
             skipped[getattr(err, "reason", "bad_document")] += 1
             log.warning("skipping document %d: %s", index, err)
             continue
-        try:
-            ce, tmod, valid = _token_losses(model, doc, max_len, patch_width, coverage)
-        except PackingError as err:
-            skipped[err.reason] += 1
-            continue
-        kind = _doc_kind(doc)
-        counts["docs"] += 1
-        counts[f"docs_{kind}"] += 1
-        for m, name in enumerate(MODALITY_NAMES):
-            sel = valid & (tmod == m)
-            if bool(sel.any()):
-                by_mod.add(name, float(ce[sel].sum()), int(sel.sum()))
-        by_mod.add("all", float(ce[valid].sum()), int(valid.sum()))
-        by_kind.add(kind, float(ce[valid].sum()), int(valid.sum()))
-        if doc.blocks and len(doc) > max_len:
-            counts["gap_docs_too_long"] += 1  # a swap must keep the whole document in one context
-        elif doc.blocks:
-            if not score_gap(index, doc, (ce, tmod, valid)):
-                pending.append((index, doc, (ce, tmod, valid)))
-            for blk in doc.blocks:
-                pool[blk.kind].append(_Donor(index, blk.kind, tuple(blk.grid), np.asarray(blk.patches_ND, dtype=np.float32)))
-    for index, doc, own in pending:  # donors from later documents
-        if not score_gap(index, doc, own):
+        chunk.append((index, doc))
+        if len(chunk) >= EVAL_CHUNK_DOCS:
+            score_chunk(chunk)
+            chunk = []
+    if chunk:
+        score_chunk(chunk)
+    late = []  # donors from later documents
+    for index, doc, own in pending:
+        swapped = swap_in_donors(index, doc)
+        if swapped is None:
             counts["gap_docs_without_donor"] += 1
+        else:
+            late.append((doc, own, swapped))
+    if late:
+        score_gaps(late)
     if bar is not None:
         bar.close()
     if counts["docs"] == 0:

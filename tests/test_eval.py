@@ -213,6 +213,61 @@ def test_gap_turns_positive_after_training_on_captioned_images(setup):
     assert after > 0.5 and after > before + 0.5, (before, after)
 
 
+@pytest.mark.parametrize("chunk", [64, 3])
+def test_documents_of_one_length_share_forwards_and_score_as_alone(setup, tmp_path, monkeypatch, chunk):
+    """Documents of one length are scored together, a row each: the same losses, gaps and counts
+    as one document a forward (up to float summation order), in fewer forwards; also when the
+    read-ahead chunk ends between documents (chunk=3: donors then come from earlier chunks)."""
+    import omniloom.pretrain.evaluate as ev
+    from omniloom.data.packing import PackingError
+
+    from omniloom.tokenizers.testing import make_video_bytes
+
+    _, tok, _ = setup
+    root = tmp_path / "corpus"
+    root.mkdir()
+    docs = []
+    for i in range(8):  # images of one size and caption length, then clips of one size, then text
+        (root / f"img{i}.png").write_bytes(_png((10 * i, 200 - 10 * i, 90), 32, 24))
+        docs.append({"schema": 1, "segments": [{"type": "image", "ref": f"img{i}.png"}, {"type": "text", "text": f"A shape, number {i}."}]})
+    for i in range(3):
+        (root / f"vid{i}.mp4").write_bytes(make_video_bytes(seconds=1.0, fps=4 + i, width=32, height=16))
+        docs.append({"schema": 1, "segments": [{"type": "video", "ref": f"vid{i}.mp4"}, {"type": "text", "text": f"clip {i} moves"}]})
+    docs.append({"schema": 1, "segments": [{"type": "text", "text": "Plain prose without pictures."}]})
+    (root / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    assert main(["-qq", "data", "build", str(root / "docs.jsonl"), "--out", str(tmp_path / "shards")]) == 0
+    root, n = tmp_path, len(docs)
+    model = tiny_model(tok)
+    forwards = []
+    real_forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(k["input_ids"].shape) or real_forward(*a, **k))
+    monkeypatch.setattr(ev, "EVAL_CHUNK_DOCS", chunk)
+    batched = evaluate(model, tok, str(root / "shards"), progress=False)
+    batched_forwards, forwards[:] = list(forwards), []
+
+    def one_at_a_time(model, docs, max_len, patch_width, coverage=None):
+        out = []
+        for doc in docs:
+            try:
+                out.append(ev._token_losses(model, doc, max_len, patch_width, coverage))
+            except PackingError as err:
+                out.append(err)
+        return out
+
+    monkeypatch.setattr(ev, "_token_losses_many", one_at_a_time)
+    alone = evaluate(model, tok, str(root / "shards"), progress=False)
+    assert len(forwards) == n + 11  # every document, then the 11 with a visual block once more with a donor's
+    assert len(batched_forwards) < len(forwards) and any(shape[0] > 1 for shape in batched_forwards)
+    assert batched["counts"] == alone["counts"]
+    for key in ("loss", "loss_by_doc_kind", "cross_modal_gap"):
+        assert batched[key] == pytest.approx(alone[key], rel=1e-5, abs=1e-6), key
+    for kind in ("image", "video"):
+        b, a = batched["cross_modal_gap_detail"][kind], alone["cross_modal_gap_detail"][kind]
+        assert b.keys() == a.keys()
+        for k in b:
+            assert b[k] == (pytest.approx(a[k], rel=1e-5, abs=1e-6) if isinstance(a[k], (float, list)) else a[k]), (kind, k)
+
+
 def test_long_documents_are_scored_in_pieces(setup):
     root, tok, n = setup
     model = tiny_model(tok)
