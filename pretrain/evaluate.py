@@ -2,8 +2,8 @@
 
 Documents are read from shards in manifest order (all of them, or the first `max_docs`), tokenized with the model's own
 tokenizer and scored one document per row (no packing, so nothing but the document is in
-context; documents of one length share a forward, a row each); a document longer than `max_len` (default: the run's seq_len) is scored in pieces cut
-the way training cuts it. Cross-entropy is attributed to the modality of the *target* token, as in training.
+context; documents of one length share a forward, a row each); a document longer than `max_len`
+(default: the run's seq_len) is scored in pieces cut the way training cuts it. Cross-entropy is attributed to the modality of the *target* token, as in training.
 
 Cross-modal gap: for every document with a visual block, the text is scored twice, once with its
 own image/video and once with every visual block replaced by one from another document of the same
@@ -43,8 +43,12 @@ log = logging.getLogger(__name__)
 MODALITY_NAMES = ("text", "code", "image", "video", "special")
 TEXT, CODE, IMAGE, VIDEO = 0, 1, 2, 3
 DONOR_POOL = 8  # recent visual blocks per kind kept as donors
-EVAL_BATCH_TOKENS = 8192  # rows x tokens per scoring forward (documents of one length share it)
-EVAL_CHUNK_DOCS = 64  # documents read ahead, then scored together
+# Documents of one length share a forward of at most min(EVAL_BATCH_TOKENS, max_len) tokens (so its
+# logits are no larger than those of one document of max_len alone); the loop reads up to
+# EVAL_CHUNK_DOCS documents or EVAL_CHUNK_TOKENS tokens ahead (their pixels held), then scores them.
+EVAL_BATCH_TOKENS = 4096
+EVAL_CHUNK_DOCS = 64
+EVAL_CHUNK_TOKENS = 32768
 
 
 @dataclass
@@ -195,7 +199,7 @@ def _token_losses_many(model, docs: list, max_len: int, patch_width: int, covera
     dev = next(model.parameters()).device
     make_layout = getattr(model, "batch_layout", None)  # read on the host copy: no device sync
     for L, members in sorted(groups.items()):
-        per = max(1, EVAL_BATCH_TOKENS // L)
+        per = max(1, min(EVAL_BATCH_TOKENS, max_len) // L)
         for at in range(0, len(members), per):
             rows = members[at:at + per]
             batch, _ = collate_rows([[piece] for _, piece in rows], seq_len=L, pad_id=PAD_ID, patch_dim=patch_width,
@@ -324,6 +328,7 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
 
         bar = tqdm(total=total, desc="eval", unit="doc", leave=False)
     chunk: list = []
+    chunk_tokens = 0
     for index, (doc_json, media) in enumerate(_iter_documents(sets, max_docs, skipped)):
         if bar is not None:
             bar.update()
@@ -334,9 +339,10 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
             log.warning("skipping document %d: %s", index, err)
             continue
         chunk.append((index, doc))
-        if len(chunk) >= EVAL_CHUNK_DOCS:
+        chunk_tokens += len(doc)
+        if len(chunk) >= EVAL_CHUNK_DOCS or chunk_tokens >= EVAL_CHUNK_TOKENS:
             score_chunk(chunk)
-            chunk = []
+            chunk, chunk_tokens = [], 0
     if chunk:
         score_chunk(chunk)
     late = []  # donors from later documents

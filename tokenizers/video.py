@@ -13,6 +13,7 @@ instead of decoding everything in between.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import math
@@ -125,6 +126,7 @@ def _scaler(width: int, height: int):
     return cached[1], ({"threads": 1} if _reformat_takes_threads() else {})
 
 
+@functools.cache
 def _reformat_takes_threads() -> bool:
     """PyAV >= 17 scales on swscale's threads and takes `threads=`; older versions scale on one."""
     import av
