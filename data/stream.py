@@ -322,6 +322,18 @@ def _one_thread_worker(_worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
+def composition(tokens_by_modality, padding) -> dict[str, float]:
+    """`padding_fraction` and `token_share/<modality>` from token counts by modality (padding
+    excluded) and padding tokens: a rank's window, or every rank's summed."""
+    tokens = [float(t) for t in tokens_by_modality]
+    real = sum(tokens)
+    slots = real + float(padding)
+    out = {"padding_fraction": float(padding) / slots if slots else 0.0}
+    for name, n in zip(MODALITY_NAMES, tokens):
+        out[f"token_share/{name}"] = n / real if real else 0.0
+    return out
+
+
 class StreamLoader:
     """Iterates PackedBatch for one rank; `state_dict()`/`load_state_dict()` give exact resume.
 
@@ -347,6 +359,7 @@ class StreamLoader:
         self._window_start = time.perf_counter()
         self._window = {"docs": 0, "tokens": np.zeros(5, np.int64), "padding": 0, "batches": 0}
         self._docs_seen = [0] * self.num_logical
+        self.last_window: dict | None = None  # the raw counts of the window `metrics` last reported
         self.last_pieces: list = []  # [[source, epoch, global index], piece] of each piece of the last batch
         self.resumed_from: tuple[int, int] | None = None  # (world_size, workers) of an elastic resume
 
@@ -429,14 +442,11 @@ class StreamLoader:
         dt = max(now - self._window_start, 1e-9)
         win = self._window
         real = int(win["tokens"].sum())
-        slots = real + win["padding"]
         out: dict[str, float] = {
             "samples_per_s": win["docs"] / dt,
             "tokens_per_s": real / dt,
-            "padding_fraction": win["padding"] / slots if slots else 0.0,
+            **composition(win["tokens"].tolist(), win["padding"]),
         }
-        for name, n in zip(MODALITY_NAMES, win["tokens"].tolist()):
-            out[f"token_share/{name}"] = n / real if real else 0.0
         epochs = self.epochs()
         out["epoch"] = float(min(epochs.values())) if epochs else 0.0
         skipped = self.skipped()
@@ -449,6 +459,8 @@ class StreamLoader:
                 token_stats.update(state.get("token_stats", {}))
         for name, n in sorted(token_stats.items()):
             out[f"tokenizer/{name}"] = float(n)
+        # the window's raw counts, for a trainer that sums them over ranks (`composition`)
+        self.last_window = {"tokens": win["tokens"].tolist(), "padding": int(win["padding"])}
         if reset:
             self._window_start = now
             self._window = {"docs": 0, "tokens": np.zeros(5, np.int64), "padding": 0, "batches": 0}

@@ -533,7 +533,24 @@ class Trainer:
             counts = w.counts_LME.cpu()
             out.update(expert_balance(counts))
             out["moe/counts_LME"] = counts.tolist()  # raw loads for the report's heatmap (JSONL only)
-        out.update(B.loader_metrics(self.train_loader))
+        out.update(self._loader_metrics())
+        return out
+
+    def _loader_metrics(self) -> dict:
+        """The loader's counters under `data/` (build.loader_metrics). With several processes the
+        padding fraction and the token shares are over every rank's batches (the window's counts
+        summed over ranks), not this rank's part of the global batch, which with grouped shards can
+        be mostly one modality; the rates and skip counts stay this rank's. A collective: every
+        rank calls it on the same (logging) steps."""
+        out = B.loader_metrics(self.train_loader)
+        if self.acc.num_processes == 1 or not hasattr(self.train_loader, "last_window"):
+            return out
+        from omniloom.data.stream import composition
+
+        w = self.train_loader.last_window or {"tokens": [0] * B.NUM_MODALITIES, "padding": 0}
+        vec = torch.tensor([*w["tokens"], w["padding"]], dtype=torch.float64, device=self.device)
+        total = self.acc.reduce(vec, reduction="sum").cpu().tolist()
+        out.update({f"data/{k}": v for k, v in composition(total[:-1], total[-1]).items()})
         return out
 
     # ---- units the loop calls ---------------------------------------------------------------

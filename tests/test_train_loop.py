@@ -655,6 +655,37 @@ def test_compile_trains_and_checkpoints_with_plain_keys(tmp_path):
     assert set(saved) == set(standin.StandinModel().state_dict())
 
 
+def test_loader_composition_is_over_every_rank_with_several_processes():
+    """data/token_share/* and data/padding_fraction sum the window's counts over ranks (this
+    rank read text and images, the other only clips); the loader's rates stay this rank's. One
+    process: its own figures, no collective."""
+    from types import SimpleNamespace
+
+    from omniloom.pretrain.train import Trainer
+
+    class Loader:
+        last_window = None
+
+        def metrics(self):
+            self.last_window = {"tokens": [100, 0, 100, 0, 0], "padding": 0}
+            return {"token_share/text": 0.5, "token_share/image": 0.5, "token_share/video": 0.0,
+                    "padding_fraction": 0.0, "tokens_per_s": 7.0}
+
+    other_rank = torch.tensor([0, 0, 0, 300, 0, 20], dtype=torch.float64)
+    reduced = []
+    acc = SimpleNamespace(num_processes=2, reduce=lambda v, reduction: reduced.append(reduction) or v + other_rank)
+    fake = SimpleNamespace(train_loader=Loader(), device=torch.device("cpu"), acc=acc)
+    m = Trainer._loader_metrics(fake)
+    assert reduced == ["sum"]
+    assert m["data/token_share/video"] == pytest.approx(300 / 500) and m["data/token_share/text"] == pytest.approx(100 / 500)
+    assert m["data/token_share/image"] == pytest.approx(100 / 500) and m["data/token_share/code"] == 0.0
+    assert m["data/padding_fraction"] == pytest.approx(20 / 520)
+    assert m["data/tokens_per_s"] == 7.0
+    acc.num_processes = 1
+    alone = Trainer._loader_metrics(fake)
+    assert reduced == ["sum"] and alone["data/token_share/video"] == 0.0 and alone["data/token_share/text"] == 0.5
+
+
 def test_tensorboard_has_one_run_holding_metrics_and_hyperparameters(tmp_path):
     """Issue 15.12: no extra `run/<timestamp>` run with only Accelerate's hyperparameters."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
