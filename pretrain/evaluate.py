@@ -149,70 +149,67 @@ def resample_patches(patches_ND: np.ndarray, grid: tuple[int, int, int], target:
 
 
 @torch.no_grad()
+def _score_rows(model, pieces: list, patch_width: int, coverage: list | None = None):
+    """Per-target CE, target modality and has-a-label mask, each [n, L], for n pieces of one
+    length L scored in one forward, a piece a row (so nothing but the piece is in its context).
+    `coverage`: gets (B-layer coverage [nB], L) when the model measures it."""
+    from omniloom.data.batch import collate_rows
+    from omniloom.tokenizers.layout import PAD_ID
+
+    n, L = len(pieces), len(pieces[0])
+    batch, _ = collate_rows([[piece] for piece in pieces], seq_len=L, pad_id=PAD_ID, patch_dim=patch_width,
+                            patch_dtype="float32")
+    make_layout = getattr(model, "batch_layout", None)  # read on the host copy: no device sync
+    layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
+    batch = batch.to(next(model.parameters()).device)
+    with tuned(n * L):  # the first forwards choose the thread count when nobody did (threads.py)
+        out = model(**batch.as_dict(), return_logits=True, **({"layout": layout} if layout is not None else {}))
+    if coverage is not None and getattr(out, "block_coverage", None) is not None:
+        coverage.append((out.block_coverage.double().cpu(), L))
+    logits = out.logits.float()
+    ce = F.cross_entropy(logits.reshape(n * L, -1), batch.labels.reshape(-1).clamp(min=0), reduction="none")
+    return ce.reshape(n, L).cpu(), torch.roll(batch.modality, -1, dims=1).long().cpu(), (batch.labels != -100).cpu()
+
+
+def _pieces_losses(model, pieces: list, patch_width: int, coverage: list | None = None):
+    """One document's (CE, target modality, has-a-label) [L], its pieces scored one a forward."""
+    scored = [_score_rows(model, [piece], patch_width, coverage) for piece in pieces]
+    return tuple(torch.cat([s[j][0] for s in scored]) for j in range(3))
+
+
 def _token_losses(model, doc, max_len: int, patch_width: int, coverage: list | None = None):
     """Per-target CE [L], target modality [L] and has-a-label mask [L] for one document, scored in
     pieces of at most `max_len` tokens cut as training cuts them (positions restart per piece).
     `coverage`: gets (B-layer coverage [nB], piece length) per piece when the model measures it."""
-    from omniloom.data.batch import collate_rows
     from omniloom.data.packing import split_document
-    from omniloom.tokenizers.layout import PAD_ID
 
-    dev = next(model.parameters()).device
-    ces, mods, valids = [], [], []
-    for piece in split_document(doc, max(max_len, 8)):
-        batch, _ = collate_rows([[piece]], seq_len=len(piece), pad_id=PAD_ID, patch_dim=patch_width, patch_dtype="float32")
-        make_layout = getattr(model, "batch_layout", None)  # read on the host copy: no device sync
-        layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
-        batch = batch.to(dev)
-        with tuned(len(piece)):  # the first pieces choose the thread count when nobody did (threads.py)
-            out = model(**batch.as_dict(), return_logits=True, **({"layout": layout} if layout is not None else {}))
-        if coverage is not None and getattr(out, "block_coverage", None) is not None:
-            coverage.append((out.block_coverage.double().cpu(), len(piece)))
-        labels = batch.labels[0]
-        ces.append(F.cross_entropy(out.logits[0].float(), labels.clamp(min=0), reduction="none").cpu())
-        valids.append((labels != -100).cpu())
-        mods.append(torch.roll(batch.modality[0], -1).long().cpu())
-    return torch.cat(ces), torch.cat(mods), torch.cat(valids)
+    return _pieces_losses(model, split_document(doc, max(max_len, 8)), patch_width, coverage)
 
 
-@torch.no_grad()
 def _token_losses_many(model, docs: list, max_len: int, patch_width: int, coverage: list | None = None) -> list:
     """`_token_losses` of each document, or the PackingError that refused it. Documents that fit
     in one piece share forwards with the others of their length, one row each (so a row still
     holds only its document): 300 held-out captions take a handful of forwards, not 300. With
     `coverage` (B layers measuring theirs per piece) each document runs alone."""
-    from omniloom.data.batch import collate_rows
     from omniloom.data.packing import PackingError, split_document
-    from omniloom.tokenizers.layout import PAD_ID
 
     out: list = [None] * len(docs)
     groups: dict[int, list[tuple[int, object]]] = defaultdict(list)
     for i, doc in enumerate(docs):
         try:
             pieces = split_document(doc, max(max_len, 8))
-            if len(pieces) > 1 or coverage is not None:
-                out[i] = _token_losses(model, doc, max_len, patch_width, coverage)
-            else:
-                groups[len(pieces[0])].append((i, pieces[0]))
         except PackingError as err:
             out[i] = err
-    dev = next(model.parameters()).device
-    make_layout = getattr(model, "batch_layout", None)  # read on the host copy: no device sync
+            continue
+        if len(pieces) > 1 or coverage is not None:
+            out[i] = _pieces_losses(model, pieces, patch_width, coverage)
+        else:
+            groups[len(pieces[0])].append((i, pieces[0]))
     for L, members in sorted(groups.items()):
         per = max(1, min(EVAL_BATCH_TOKENS, max_len) // L)
         for at in range(0, len(members), per):
             rows = members[at:at + per]
-            batch, _ = collate_rows([[piece] for _, piece in rows], seq_len=L, pad_id=PAD_ID, patch_dim=patch_width,
-                                    patch_dtype="float32")
-            layout = make_layout(batch.doc_ids, batch.block_ids) if callable(make_layout) else None
-            batch = batch.to(dev)
-            with tuned(L * len(rows)):
-                res = model(**batch.as_dict(), return_logits=True, **({"layout": layout} if layout is not None else {}))
-            logits = res.logits.float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1).clamp(min=0),
-                                 reduction="none").reshape(len(rows), L).cpu()
-            valid = (batch.labels != -100).cpu()
-            mods = torch.roll(batch.modality, -1, dims=1).long().cpu()
+            ce, mods, valid = _score_rows(model, [piece for _, piece in rows], patch_width)
             for r, (i, _) in enumerate(rows):
                 out[i] = (ce[r], mods[r], valid[r])
     return out
