@@ -63,6 +63,10 @@ class DataConfig:
     # A document with an undecodable image/video: "skip" it whole (counted by reason), or "drop"
     # just that segment and keep the rest (counted as tokenizer/dropped_<reason>).
     media_errors: Literal["skip", "drop"] = "skip"
+    # MB of tokenized documents each training loader worker keeps, so that a document drawn again
+    # in a later epoch is neither re-read nor re-decoded (data/doc_cache.py); 0 = off. Worth it for
+    # small corpora read for many epochs (the demo); the batches are identical either way.
+    doc_cache_mb: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "shuffle_buffer", "pack_buffer", "prefetch_factor"):
@@ -70,6 +74,8 @@ class DataConfig:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.seq_len < 8:
             raise ValueError(f"data.seq_len={self.seq_len} is too short to hold a document (use >= 8)")
+        if not (self.doc_cache_mb >= 0 and math.isfinite(self.doc_cache_mb)):
+            raise ValueError(f"data.doc_cache_mb must be >= 0 (0 turns the cache off), got {self.doc_cache_mb}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
 

@@ -47,6 +47,7 @@ from omniloom.tokenizers.layout import MODALITY_NAMES, TokenizedDoc
 from .batch import PackedBatch, collate_rows
 from .config import DataConfig, SourceConfig
 from .cursor import SourceCursor as _SourceCursor
+from .doc_cache import DocCache
 from .packing import BestFitPacker, PackingError, Piece, split_document
 from .reader import SampleError, SampleReader, ShardSet, resolve_source
 
@@ -129,8 +130,10 @@ class WorkerStream:
     """The deterministic pipeline of one slot. `next_batch()` -> (PackedBatch, counts)."""
 
     def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, slot: int,
-                 num_slots: int, pad_id: int, patch_dim: int):
+                 num_slots: int, pad_id: int, patch_dim: int, cache_mb: float = 0):
         self.cfg, self.tokenize_fn, self.slot = cfg, tokenize_fn, slot
+        # tokenized documents kept for later epochs (data/doc_cache.py); not part of the state
+        self.cache = DocCache(int(cache_mb * 2**20), cfg.patch_dtype) if cache_mb > 0 else None
         self.pad_id, self.patch_dim = pad_id, patch_dim
         self.cursors = [_SourceCursor(s, i, cfg.seed, slot, num_slots) for i, s in enumerate(sets)]
         w = np.array([s.weight for s in sets], dtype=np.float64)
@@ -155,6 +158,8 @@ class WorkerStream:
         cursor = self.cursors[src]
         for _ in range(cursor.attempts_left_bound()):
             ref = cursor.next_ref()
+            if self.cache is not None and self._cache_key(ref) in self.cache:
+                return ref, None, None  # tokenized before: neither read nor held raw (see _pieces)
             try:
                 doc, media = cursor.read(ref[1], ref[2])
                 return ref, doc, media
@@ -172,16 +177,44 @@ class WorkerStream:
         self.shuffle.pop()
         return item
 
-    def _pieces(self, ref: tuple, doc: dict, media: dict, count: bool = True) -> list[Piece]:
+    def _cache_key(self, ref: tuple) -> tuple:
+        """The sample itself, whatever the epoch: (source, shard, sample in the shard)."""
+        return (ref[0], *self.cursors[ref[0]].locate_global(ref[1], ref[2]))
+
+    def _pieces(self, ref: tuple, doc: dict | None, media: dict | None, count: bool = True) -> list[Piece]:
+        key = self._cache_key(ref) if self.cache is not None else None
+        if key is not None:
+            entry = self.cache.get(key)
+            if entry is not None:  # replay the outcome and its counters exactly
+                if entry[0] == "skip":
+                    if count:
+                        self._skip(entry[1], entry[2], ref)
+                    return []
+                if count:
+                    self.docs += 1
+                    self.token_stats.update(entry[2])
+                return DocCache.pieces_for(entry, ref)
+            if doc is None:  # cannot happen (nothing is evicted), but a re-read is always correct
+                try:
+                    doc, media = self.cursors[ref[0]].read(ref[1], ref[2])
+                except SampleError as err:
+                    if count:
+                        self._skip(err.reason, err, ref)
+                    return []
         try:
             tdoc = self.tokenize_fn(doc, media)
         except Exception as err:  # any tokenizer failure is a bad sample, never a dead run
+            reason = getattr(err, "reason", None) or type(err).__name__
+            if key is not None:
+                self.cache.store_skip(key, reason, str(err))
             if count:
-                self._skip(getattr(err, "reason", None) or type(err).__name__, err, ref)
+                self._skip(reason, err, ref)
             return []
         try:
             pieces = split_document(tdoc, self.cfg.seq_len, ref)
         except PackingError as err:
+            if key is not None:
+                self.cache.store_skip(key, err.reason, str(err))
             if count:
                 self._skip(err.reason, err, ref)
             return []
@@ -189,9 +222,12 @@ class WorkerStream:
             if b.patches_ND.shape[1] > self.patch_dim:
                 raise ValueError(f"tokenizer gave {b.patches_ND.shape[1]}-dim patches but the stream's patch_dim "
                                  f"is {self.patch_dim}; pass patch_dim=max(patch_dim, tubelet_dim) of the tokenizer")
+        stats = getattr(tdoc, "stats", None) or {}
+        if key is not None:
+            pieces = self.cache.store_pieces(key, pieces, stats)
         if count:
             self.docs += 1
-            self.token_stats.update(getattr(tdoc, "stats", None) or {})
+            self.token_stats.update(stats)
         return pieces
 
     def _fill_packer(self) -> None:
@@ -285,8 +321,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, rank: int,
                  world_size: int, pad_id: int, patch_dim: int, states: list[dict | None], consumed: int,
-                 max_batches: int | None):
-        self.sets, self.cfg, self.tokenize_fn = sets, cfg, tokenize_fn
+                 max_batches: int | None, cache_mb: float = 0):
+        self.sets, self.cfg, self.tokenize_fn, self.cache_mb = sets, cfg, tokenize_fn, cache_mb
         self.rank, self.world_size, self.pad_id, self.patch_dim = rank, world_size, pad_id, patch_dim
         self.states, self.consumed, self.max_batches = states, consumed, max_batches
         self.num_logical = max(cfg.num_workers, 1)
@@ -301,7 +337,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
         logical = (physical + self.consumed) % self.num_logical
         stream = WorkerStream(self.sets, self.cfg, self.tokenize_fn, slot=self.rank * self.num_logical + logical,
                               num_slots=self.world_size * self.num_logical, pad_id=self.pad_id,
-                              patch_dim=self.patch_dim)
+                              patch_dim=self.patch_dim, cache_mb=self.cache_mb)
         if self.states[logical] is not None:
             stream.load_state_dict(self.states[logical])
         index = _first_batch_index(self.consumed, logical, self.num_logical)
@@ -310,7 +346,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
             while self.max_batches is None or index < self.max_batches:
                 batch, counts = stream.next_batch()
                 meta = {"worker": logical, "index": index, "state": stream.state_dict(), "counts": counts,
-                        "pieces": stream.last_pieces}
+                        "pieces": stream.last_pieces,
+                        "cache": stream.cache.stats() if stream.cache is not None else None}
                 yield batch, meta
                 index += self.num_logical
         finally:
@@ -359,6 +396,7 @@ class StreamLoader:
         self._window_start = time.perf_counter()
         self._window = {"docs": 0, "tokens": np.zeros(5, np.int64), "padding": 0, "batches": 0}
         self._docs_seen = [0] * self.num_logical
+        self._cache = [None] * self.num_logical  # each worker's last DocCache.stats(), when on
         self.last_window: dict | None = None  # the raw counts of the window `metrics` last reported
         self.last_pieces: list = []  # [[source, epoch, global index], piece] of each piece of the last batch
         self.resumed_from: tuple[int, int] | None = None  # (world_size, workers) of an elastic resume
@@ -373,7 +411,9 @@ class StreamLoader:
             self.reset()  # a finished finite pass starts over, like a torch DataLoader epoch
         ds = StreamDataset(self.sets, self.cfg, self.tokenize_fn, rank=self.rank, world_size=self.world_size,
                            pad_id=self.pad_id, patch_dim=self.patch_dim, states=list(self._states),
-                           consumed=self.consumed, max_batches=self.max_batches)
+                           consumed=self.consumed, max_batches=self.max_batches,
+                           # an evaluation pass reads each document once: nothing to reuse
+                           cache_mb=self.cfg.doc_cache_mb if self.split == "train" else 0)
         if self.cfg.num_workers == 0:
             items: Iterator = iter(ds)
         else:
@@ -415,6 +455,8 @@ class StreamLoader:
         docs = meta["state"]["docs"]
         self._window["docs"] += docs - self._docs_seen[w]
         self._docs_seen[w] = docs
+        if meta.get("cache") is not None:
+            self._cache[w] = meta["cache"]
         self._window["tokens"] += np.asarray(counts["tokens_by_modality"], dtype=np.int64)
         self._window["padding"] += counts["padding"]
         self._window["batches"] += 1
@@ -459,6 +501,12 @@ class StreamLoader:
                 token_stats.update(state.get("token_stats", {}))
         for name, n in sorted(token_stats.items()):
             out[f"tokenizer/{name}"] = float(n)
+        caches = [c for c in self._cache if c is not None]
+        if caches:  # since the workers started (hits + misses = documents tokenized or replayed)
+            hits, misses = sum(c[0] for c in caches), sum(c[1] for c in caches)
+            out["doc_cache/hit_fraction"] = hits / max(hits + misses, 1)
+            out["doc_cache/mb"] = sum(c[2] for c in caches) / 2**20
+            out["doc_cache/full"] = float(any(c[4] for c in caches))
         # the window's raw counts, for a trainer that sums them over ranks (`composition`)
         self.last_window = {"tokens": win["tokens"].tolist(), "padding": int(win["padding"])}
         if reset:

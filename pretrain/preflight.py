@@ -99,6 +99,12 @@ def check_step_memory(cfg, device, *, available: int | None = None) -> dict:
         raise ValueError(f"{shape}: one step needs at least {_gib(est['activations'])} of activations "
                          f"({est['per_token']:,.0f} bytes per token, estimated from the model config){loader}, "
                          f"more than the {_gib(available)} this {what} has; {advice}")
+    cache = max(cfg.data.num_workers, 1) * cfg.data.doc_cache_mb * 2**20
+    host = available if dev_type != "cuda" else device_memory("cpu")[0]
+    if cache and host is not None and cache > host:
+        raise ValueError(f"data.doc_cache_mb={cfg.data.doc_cache_mb:g} per loader worker x {max(cfg.data.num_workers, 1)} "
+                         f"worker(s) may hold {_gib(cache)} of tokenized documents, more than the {_gib(host)} this "
+                         "machine has available; lower data.doc_cache_mb (0 turns the cache off)")
     if dev_type == "cuda" and est["loader"] > (device_memory("cpu")[0] or float("inf")):
         raise ValueError(f"{shape}: the loader's ready batches alone need {_gib(est['loader'])} of host memory, more "
                          f"than this machine has available; lower data.batch_size, data.seq_len or data.num_workers")

@@ -352,6 +352,10 @@ def test_step_memory_is_checked_before_setup_naming_the_figure(tmp_path, capsys)
     assert 0 < fine["activations"] < 1 << 30
     checkpointed = load_config("tiny", ["model.vocab_size=64", "train.activation_checkpointing=true"])
     assert check_step_memory(checkpointed, "cpu", available=4 << 30)["activations"] < fine["activations"]
+    cached = load_config("tiny", ["model.vocab_size=64", "data.doc_cache_mb=3000", "data.num_workers=2"])
+    with pytest.raises(ValueError, match=r"data.doc_cache_mb=3000 per loader worker x 2 worker\(s\) may hold 5.9 GiB"):
+        check_step_memory(cached, "cpu", available=4 << 30)
+    assert check_step_memory(cached, "cpu", available=8 << 30)["activations"] == fine["activations"]
     # refused before the model and the loader are built (the shards do not exist)
     assert main(["-q", "train", "--run-dir", str(tmp_path / "r"), "tiny", "model.vocab_size=64", "data.seq_len=1000000000",
                  "data.sources=[{path: /no/such/shards}]"]) == 2

@@ -332,3 +332,56 @@ def test_visual_budget_is_one_plain_log_line_per_process(tmp_path, caplog):
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     msg = lines[0].getMessage()
     assert "largest video block (66 tokens)" in msg and "set data.seq_len=66 or more" in msg and "--video-frame-budget" in msg
+
+
+def _run(loader, n):
+    """n batches' digests, then the loader's state and metrics."""
+    digests = _digests(loader, n)
+    return digests, loader.state_dict(), loader.metrics()
+
+
+@pytest.mark.parametrize("cache_mb", [64, 0.02])  # everything fits / the budget fills early
+def test_doc_cache_yields_the_uncached_batches_and_counters(corpus, tmp_path, cache_mb):
+    """Over several epochs of a corpus with bad samples (unreadable ones, undecodable media, a
+    truncated shard), the cached stream yields the same batches, worker states (skip counts,
+    tokenizer stats, documents) and resume points as the uncached one, while most draws of the
+    later epochs come from the cache."""
+    a, b = corpus
+    bad = str(tmp_path / "bad")
+    _corrupt_copy(a, bad)
+    sources = [(bad, 2.0), (b, 1.0)]
+    n = 120  # several epochs of each source per worker
+    plain, plain_state, _ = _run(build_loader(_cfg(sources), TOK, patch_dim=TOK.tubelet_dim), n)
+    cached_loader = build_loader(_cfg(sources, doc_cache_mb=cache_mb), TOK, patch_dim=TOK.tubelet_dim)
+    cached, cached_state, m = _run(cached_loader, n)
+    assert cached == plain
+    assert cached_state == plain_state
+    assert min(st["cursors"][0][0] for st in plain_state["workers"]) >= 2, "the run must span several epochs"
+    skipped = cached_loader.skipped()
+    assert skipped.get("undecodable", 0) >= 2 and skipped.get("bad_doc_json", 0) >= 2, skipped  # replayed skips
+    if cache_mb == 64:
+        # not every draw after epoch 0 hits: each epoch shuffles the shard order, so a worker's
+        # share of an epoch holds samples it has not read before
+        assert m["doc_cache/full"] == 0 and m["doc_cache/hit_fraction"] > 0.3, m
+    else:
+        assert m["doc_cache/full"] == 1 and 0 < m["doc_cache/mb"] <= 2 * cache_mb, m  # a budget per worker
+    # a resume mid-run (empty caches) continues with the uncached run's batches
+    first = build_loader(_cfg(sources, doc_cache_mb=cache_mb), TOK, patch_dim=TOK.tubelet_dim)
+    head = _digests(first, 67)
+    resumed = build_loader(_cfg(sources, doc_cache_mb=cache_mb), TOK, patch_dim=TOK.tubelet_dim)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert head + _digests(resumed, n - 67) == plain
+
+
+def test_doc_cache_is_off_by_default_and_for_evaluation(corpus):
+    a, _ = corpus
+    loader = build_loader(_cfg([(a, 1.0)], num_workers=0), TOK, patch_dim=TOK.tubelet_dim)
+    _digests(loader, 3)
+    assert not any(k.startswith("doc_cache/") for k in loader.metrics())
+    ev = _cfg([(a, 1.0)], num_workers=0, doc_cache_mb=64)
+    ev.eval_sources = ev.sources
+    loader = build_loader(ev, TOK, patch_dim=TOK.tubelet_dim, split="eval", max_batches=3)
+    _digests(loader, 3)
+    assert not any(k.startswith("doc_cache/") for k in loader.metrics())
+    with pytest.raises(ValueError, match="doc_cache_mb"):
+        _cfg([(a, 1.0)], doc_cache_mb=-1)

@@ -43,3 +43,27 @@ def test_real_shards_and_tokenizer_give_valid_batches_and_resume(real_parts):
     again.load_state_dict(state)
     nxt = next(iter(loader)).digest()
     assert next(iter(again)).digest() == nxt
+
+
+@pytest.mark.parametrize("patch_dtype", ["float16", "bfloat16", "float32"])
+def test_doc_cache_gives_the_uncached_batches_with_real_media(real_parts, patch_dtype):
+    """Real decoded images and a video: cached pieces keep their patches in the dtype the batch
+    stores them in, so batches (patches included) are bit-identical to the uncached stream's."""
+    shards, tok_dir, _ = real_parts
+    runs = []
+    for cache_mb in (0, 16):
+        cfg = DataConfig(sources=[SourceConfig(path=shards)], tokenizer=tok_dir, seq_len=256, batch_size=2,
+                         num_workers=0, shuffle_buffer=2, pack_buffer=2, seed=3, patch_dtype=patch_dtype,
+                         doc_cache_mb=cache_mb)
+        loader = build_loader(cfg)
+        digests, kinds = [], set()
+        for batch in loader:
+            digests.append(batch.digest())
+            kinds.update(batch.patch_kind.tolist())
+            if len(digests) == 12:
+                break
+        runs.append((digests, loader.state_dict(), loader.metrics()))
+    (plain, plain_state, _), (cached, cached_state, m) = runs
+    assert kinds == {IMAGE, VIDEO}
+    assert cached == plain and cached_state == plain_state
+    assert m["doc_cache/hit_fraction"] > 0.5, m
