@@ -25,6 +25,9 @@ class Stage:
     done_when: Path  # the stage is complete when this file exists
     env: dict[str, str] = field(default_factory=dict)
     also_done_when: tuple[Path, ...] = ()  # older names of the same output
+    # names of the stages whose outputs this one reads; None: every stage listed before it. Stages
+    # whose needs are met run side by side, as many as `demo_parallel` allows.
+    needs: tuple[str, ...] | None = None
 
     def done(self) -> bool:
         return self.done_when.exists() or any(p.exists() for p in self.also_done_when)
@@ -47,6 +50,23 @@ def demo_threads(processes: int, env=None) -> list[str]:
     if env.get("OMP_NUM_THREADS", "").strip():
         return []
     return ["--threads", str(max(1, available_cores() // max(1, processes)))]
+
+
+def demo_parallel(processes: int, env=None) -> int:
+    """How many one-process stages may run at once: the cores this process may use over the
+    threads each stage takes (`demo_threads`, or the user's OMP_NUM_THREADS). The training runs
+    alone whatever this says: every later stage needs its checkpoint."""
+    from .threads import available_cores
+
+    env = os.environ if env is None else env
+    cores = available_cores()
+    try:
+        threads = int(env.get("OMP_NUM_THREADS", "").strip() or 0)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        threads = max(1, cores // max(1, processes))
+    return max(1, cores // threads)
 
 
 def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) -> list[Stage]:
@@ -81,29 +101,34 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
         Stage("data build (synthetic)", _omniloom("data", "build", str(train / "shapes.jsonl"), str(train / "motion.jsonl"),
                                                   str(train / "interleaved.jsonl"), "--out", str(shards / "synthetic"),
                                                   "--name", "synthetic", "--workers", "2", "--shuffle", "0"),
-              shards / "synthetic" / "manifest.json"),
+              shards / "synthetic" / "manifest.json", needs=("demo corpus",)),
         Stage("data build (real files)", _omniloom("data", "build", str(train / "stdlib"), str(train / "docs"), str(train / "photos"),
                                                    "--out", str(shards / "real"), "--name", "real"),
-              shards / "real" / "manifest.json"),
+              shards / "real" / "manifest.json", needs=("demo corpus",)),
         Stage("data build (held-out)", _omniloom("data", "build", str(corpus / "heldout"), "--out", str(shards / "heldout"),
                                                  "--name", "heldout"),
-              shards / "heldout" / "manifest.json"),
+              shards / "heldout" / "manifest.json", needs=("demo corpus",)),
         Stage("tokenizer train", _omniloom("tokenizer", "train", "--data", str(shards / "synthetic"), str(shards / "real"),
                                            "--vocab-size", "2048", "--image-patch-budget", "16", "--video-frame-budget", "4",
                                            "--video-patch-budget", "16", "--out", str(tok), "--force"),  # redo a cut-off write
-              tok / "omniloom_tokenizer.json", also_done_when=(tok / "tokenizer.json",)),  # a demo_out from before the rename
+              tok / "omniloom_tokenizer.json", also_done_when=(tok / "tokenizer.json",),  # a demo_out from before the rename
+              needs=("data build (synthetic)", "data build (real files)")),
         Stage("train (omniloom launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo",
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
               run / "checkpoints" / f"step_{steps:08d}"),
         Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
-                                "--no-progress", "--captions", *threads), out / "eval.json"),
+                                "--no-progress", "--captions", *threads), out / "eval.json",
+              needs=("train (omniloom launch)",)),
+        # export and generate run beside eval (one thread each); the report waits for eval.json
         # --force: an export cut off before its config.json is redone (the demo owns that folder)
-        Stage("export", _omniloom("export", str(run), "--out", str(export), "--force"), export / "config.json"),
+        Stage("export", _omniloom("export", str(run), "--out", str(export), "--force"), export / "config.json",
+              needs=("train (omniloom launch)",)),
         Stage("generate from an image", _omniloom("generate", str(export), "--image", str(_first_heldout_image(corpus)),
                                                   "--prompt", "", "--max-new-tokens", "16", "--out", str(out / "generate.txt"),
                                                   *threads),
-              out / "generate.txt"),
-        Stage("report", _omniloom("report", str(run), "--eval", str(out / "eval.json")), run / "report" / "index.html"),
+              out / "generate.txt", needs=("export",)),
+        Stage("report", _omniloom("report", str(run), "--eval", str(out / "eval.json")), run / "report" / "index.html",
+              needs=("eval",)),
     ]
 
 
@@ -116,51 +141,83 @@ def run_demo(out: Path, *, steps: int, processes: int, overrides: list[str], fre
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    timings = {}
-    for stage in demo_stages(out, steps=steps, processes=processes, overrides=overrides):
+    began = time.time()
+    stages = demo_stages(out, steps=steps, processes=processes, overrides=overrides)
+    needs, finished, pending = {}, set(), []
+    for i, stage in enumerate(stages):
+        needs[stage.name] = set(stage.needs if stage.needs is not None else (s.name for s in stages[:i]))
         if stage.done():
             print(f"[demo] {stage.name}: already done ({stage.done_when})", flush=True)
-            continue
-        print(f"[demo] {stage.name}: {' '.join(shlex.quote(a) for a in stage.argv)}", flush=True)
-        start = time.time()
-        try:
-            code = run_stage(stage.argv, {**env, **stage.env})
-        except KeyboardInterrupt:
-            print(f"[demo] stopped during {stage.name}: finished stages are kept (a cut-off training resumes from "
-                  f"its last checkpoint); run `omniloom demo --out {out}` again to continue.", file=sys.stderr)
-            return 130
-        timings[stage.name] = round(time.time() - start, 1)
-        if code == 0 and not stage.done():  # the training stopped by a signal (it saved and exited 0)
+            finished.add(stage.name)
+        else:
+            pending.append(stage)
+    slots = demo_parallel(processes, env)
+    running: dict[str, tuple[Stage, subprocess.Popen, float]] = {}
+    timings: dict[str, float] = {}
+    failed: tuple[Stage, int] | None = None
+    try:
+        while pending or running:
+            # start, in list order, every stage whose inputs are ready while there is a free slot;
+            # after a failure nothing new starts, the running stages finish
+            for stage in list(pending):
+                if failed is not None or len(running) >= slots:
+                    break
+                if needs[stage.name] <= finished:
+                    print(f"[demo] {stage.name}: {' '.join(shlex.quote(a) for a in stage.argv)}", flush=True)
+                    running[stage.name] = (stage, subprocess.Popen(stage.argv, env={**env, **stage.env}), time.time())
+                    pending.remove(stage)
+            if not running:
+                break
+            time.sleep(0.02)
+            for name, (stage, proc, start) in list(running.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del running[name]
+                timings[name] = round(time.time() - start, 1)
+                if code == 0 and stage.done():
+                    finished.add(name)
+                elif failed is None:
+                    failed = (stage, code)
+    except KeyboardInterrupt:
+        # Ctrl-C reached the stages too (same process group): each does what it does on SIGINT
+        # (the training finishes its step, saves a checkpoint and exits 0). They are waited for,
+        # not killed as `subprocess.run` would after 0.25 s; a second Ctrl-C kills them.
+        print("[demo] interrupted: letting the running stage(s) stop cleanly (Ctrl-C again to kill them)",
+              file=sys.stderr, flush=True)
+        _wait_all([proc for _, proc, _ in running.values()])
+        print(f"[demo] stopped during {', '.join(running)}: finished stages are kept (a cut-off training resumes "
+              f"from its last checkpoint); run `omniloom demo --out {out}` again to continue.", file=sys.stderr)
+        return 130
+    if failed is None and pending:  # a stage list whose needs cannot be met: a bug in demo_stages
+        raise RuntimeError(f"demo stages never ready: {[s.name for s in pending]}")
+    if failed is not None:
+        stage, code = failed
+        if code == 0:  # the training stopped by a signal (it saved and exited 0)
             print(f"[demo] {stage.name} stopped before its end ({stage.done_when.name} is not there): finished "
                   f"stages are kept; run `omniloom demo --out {out}` again to continue.", file=sys.stderr)
             return 130
-        if code != 0:
-            print(f"[demo] {stage.name} failed with exit code {code}; fix the error above and run "
-                  f"`omniloom demo --out {out}` again: finished stages are kept.", file=sys.stderr)
-            return code
-    _summary(out, timings)
+        print(f"[demo] {stage.name} failed with exit code {code}; fix the error above and run "
+              f"`omniloom demo --out {out}` again: finished stages are kept.", file=sys.stderr)
+        return code
+    _summary(out, timings, wall=time.time() - began)
     return 0
 
 
-def run_stage(argv: list[str], env: dict) -> int:
-    """Run one stage; its exit code. Ctrl-C reaches the stage too (same process group), and the
-    stage does what it does on SIGINT (the training finishes its step, saves a checkpoint and
-    exits 0): it is waited for, not killed as `subprocess.run` would after 0.25 s, and the
-    KeyboardInterrupt is raised once it has stopped. A second Ctrl-C kills it."""
-    proc = subprocess.Popen(argv, env=env)
+def _wait_all(procs: list[subprocess.Popen]) -> None:
+    """Wait for every process; a further Ctrl-C kills the ones still running, then re-raises nothing."""
     try:
-        return proc.wait()
+        for proc in procs:
+            proc.wait()
     except KeyboardInterrupt:
-        print("[demo] interrupted: letting the stage stop cleanly (Ctrl-C again to kill it)", file=sys.stderr, flush=True)
-        try:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
             proc.wait()
-        except KeyboardInterrupt:
-            proc.kill()
-            proc.wait()
-        raise
 
 
-def _summary(out: Path, timings: dict) -> None:
+def _summary(out: Path, timings: dict, wall: float | None = None) -> None:
     print("\n=== omniloom demo: done ===")
     for label, rel in (("corpus", "corpus"), ("shards", "shards"), ("tokenizer", "tokenizer"), ("run", "run"),
                        ("export", "export"), ("report", "run/report/index.html")):
@@ -210,7 +267,8 @@ def _summary(out: Path, timings: dict) -> None:
             caption = json.loads(held.read_text(encoding="utf-8").splitlines()[0])["meta"]["caption"]
             print(f"  its true caption:         {caption!r}")
     if timings:
-        print("  stage seconds: " + ", ".join(f"{k}={v}" for k, v in timings.items()))
+        print("  stage seconds: " + ", ".join(f"{k}={v}" for k, v in timings.items())
+              + ("" if wall is None else f"; wall {wall:.1f} (stages whose inputs are ready run side by side)"))
 
 
 def register(sub) -> None:

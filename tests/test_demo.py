@@ -181,3 +181,74 @@ def test_the_demo_asks_for_captions_and_prints_them_beside_the_gap(tmp_path, cap
     out = capsys.readouterr().out
     assert "exact captions from the pixels alone (greedy, held-out): image 92.5% of 200, video 71.0% of 100" in out
     assert "image: shape 96% (majority 35%)" in out and "mirror changes the column word in 99%" in out
+
+
+def _stage_script(log: Path, name: str, seconds: float, code: int = 0, out: Path | None = None) -> list[str]:
+    body = (f"import time\nopen({str(log)!r}, 'a').write('start {name} %.3f\\n' % time.time())\n"
+            f"time.sleep({seconds})\nopen({str(log)!r}, 'a').write('end {name} %.3f\\n' % time.time())\n")
+    if out is not None:
+        body += f"open({str(out)!r}, 'w').close()\n"
+    return [sys.executable, "-c", body + f"raise SystemExit({code})\n"]
+
+
+def _events(log: Path) -> dict:
+    out = {}
+    for line in log.read_text().splitlines():
+        kind, name, t = line.split()
+        out[(kind, name)] = float(t)
+    return out
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_stages_run_side_by_side_when_their_inputs_are_ready(tmp_path, monkeypatch, capsys, slots):
+    """eval beside export -> generate after training, report after eval: a DAG of needs, as many
+    at once as demo_parallel allows (1: the old one-after-another order)."""
+    import omniloom.pretrain.demo as demo
+
+    log = tmp_path / "log"
+
+    def stage(name, seconds, needs=None):
+        done = tmp_path / f"{name}.done"
+        return demo.Stage(name, _stage_script(log, name, seconds, out=done), done, needs=needs)
+
+    stages = [stage("train", 0.1), stage("eval", 1.0, ("train",)), stage("export", 0.3, ("train",)),
+              stage("generate", 0.3, ("export",)), stage("report", 0.2, ("eval",))]
+    monkeypatch.setattr(demo, "demo_stages", lambda out, **kw: stages)
+    monkeypatch.setattr(demo, "demo_parallel", lambda processes, env=None: slots)
+    assert demo.run_demo(tmp_path / "out", steps=1, processes=2, overrides=[], fresh=False) == 0
+    ev = _events(log)
+    for a, b in [("train", "eval"), ("train", "export"), ("export", "generate"), ("eval", "report")]:
+        assert ev[("end", a)] <= ev[("start", b)], (a, b)
+    if slots == 2:
+        assert ev[("start", "export")] < ev[("end", "eval")] and ev[("start", "generate")] < ev[("end", "eval")]
+    else:
+        spans = sorted((ev[("start", n)], ev[("end", n)]) for n in ("train", "eval", "export", "generate", "report"))
+        assert all(e <= s for (_, e), (s, _) in zip(spans, spans[1:])), "one stage at a time"
+    assert "wall" in capsys.readouterr().out
+
+
+def test_a_failed_stage_lets_the_running_one_finish_and_starts_nothing_after_it(tmp_path, monkeypatch, capsys):
+    import omniloom.pretrain.demo as demo
+
+    log = tmp_path / "log"
+    stages = [demo.Stage("export", _stage_script(log, "export", 0.1, code=3), tmp_path / "x", needs=()),
+              demo.Stage("eval", _stage_script(log, "eval", 0.8, out=tmp_path / "e"), tmp_path / "e", needs=()),
+              demo.Stage("generate", _stage_script(log, "generate", 0.1), tmp_path / "g", needs=("export",)),
+              demo.Stage("later", _stage_script(log, "later", 0.1), tmp_path / "l", needs=())]
+    monkeypatch.setattr(demo, "demo_stages", lambda out, **kw: stages)
+    monkeypatch.setattr(demo, "demo_parallel", lambda processes, env=None: 2)
+    assert demo.run_demo(tmp_path / "out", steps=1, processes=2, overrides=[], fresh=False) == 3
+    ev = _events(log)
+    assert ("end", "eval") in ev and (tmp_path / "e").exists()  # finished, not killed
+    assert ("start", "generate") not in ev and ("start", "later") not in ev
+    assert "export failed with exit code 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("omp, processes, cores, expect", [("", 2, 2, 2), ("", 1, 2, 1), ("1", 1, 2, 2),
+                                                            ("2", 2, 2, 1), ("", 2, 8, 2), ("x", 2, 4, 2)])
+def test_demo_parallel_is_cores_over_the_threads_of_a_stage(monkeypatch, omp, processes, cores, expect):
+    from omniloom.pretrain import threads
+    from omniloom.pretrain.demo import demo_parallel
+
+    monkeypatch.setattr(threads, "available_cores", lambda: cores)
+    assert demo_parallel(processes, {"OMP_NUM_THREADS": omp}) == expect
