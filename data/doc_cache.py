@@ -55,7 +55,7 @@ class DocCache:
         self.bytes = 0
         self.hits = 0
         self.misses = 0
-        self.full = False  # a document did not fit (once set, the cache only serves)
+        self.full = False  # some document did not fit in what was left of the budget
 
     def __contains__(self, key: tuple) -> bool:
         return key in self._entries

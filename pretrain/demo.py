@@ -277,10 +277,11 @@ def register(sub) -> None:
         help="run the whole pipeline on an embedded demo corpus (CPU; under 5 minutes on an idle 2-core machine)",
         description="Demo corpus -> data build -> tokenizer train -> `omniloom launch` (accelerate) training of a tiny "
         "sparse-attention MoE -> eval (held-out loss, cross-modal gap, captions from the pixels) -> export -> "
-        "generate from an image -> HTML report. Takes under 5 minutes on an idle 2-core machine (4 min 43 s "
-        "measured, training 4 min 8 s of it; BENCHMARKS.md), several times longer when other jobs share the "
+        "generate from an image -> HTML report. Takes under 5 minutes on an idle 2-core machine (about 4 min "
+        "measured, training 3 min 37 s of it; BENCHMARKS.md), several times longer when other jobs share the "
         "cores. Training shows a progress bar on a terminal, else a line every 30 s (step, loss, tokens/s, "
-        "time left). Finished stages are skipped on a re-run (use --fresh to start over).",
+        "time left). After training, eval runs beside export and generate when the cores allow (one "
+        "thread each). Finished stages are skipped on a re-run (use --fresh to start over).",
     )
     p.add_argument("--out", default="demo_out", help="folder for every artifact (default: ./demo_out)")
     p.add_argument("--steps", type=int, default=1000, help="training steps (default 1000; a step is 2 packed 512-token sequences per process)")
