@@ -12,8 +12,10 @@ The batches are the ones the uncached stream yields, bit for bit:
   numpy dtype `collate_rows` writes them in (float16 for `patch_dtype=float16`, else float32),
   which is the cast the collate would have made;
 - an outcome replays its counters: a tokenized document counts as a document and adds its
-  tokenizer stats again; a document the tokenizer or the packer rejected is skipped again under
-  the same reason (samples that cannot be read are never cached: they are read and skipped again);
+  tokenizer stats again; a document the tokenizer rejected for its data (an error with a reason:
+  undecodable media, a bad layout) or the packer rejected is skipped again under the same reason
+  (samples that cannot be read, and unexpected tokenizer errors, are never cached: they are read
+  and tried again);
 - nothing is ever evicted, so a sample found in the cache when it is drawn is still there when it
   is tokenized. When the budget is full, new documents are simply not added (for a corpus read
   epoch after epoch, keeping the first ones is as good as any policy and better than LRU, which

@@ -205,7 +205,9 @@ class WorkerStream:
             tdoc = self.tokenize_fn(doc, media)
         except Exception as err:  # any tokenizer failure is a bad sample, never a dead run
             reason = getattr(err, "reason", None) or type(err).__name__
-            if key is not None:
+            # a data error (DocumentError, MediaError: it has a reason) fails the same way next
+            # time and is remembered; anything else (out of memory, too many open files) is retried
+            if key is not None and getattr(err, "reason", None):
                 self.cache.store_skip(key, reason, str(err))
             if count:
                 self._skip(reason, err, ref)

@@ -205,7 +205,7 @@ def run_demo(out: Path, *, steps: int, processes: int, overrides: list[str], fre
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> None:
-    """Wait for every process; a further Ctrl-C kills the ones still running, then re-raises nothing."""
+    """Wait for every process; a second Ctrl-C kills the ones still running (and is not raised)."""
     try:
         for proc in procs:
             proc.wait()

@@ -385,3 +385,28 @@ def test_doc_cache_is_off_by_default_and_for_evaluation(corpus):
     assert not any(k.startswith("doc_cache/") for k in loader.metrics())
     with pytest.raises(ValueError, match="doc_cache_mb"):
         _cfg([(a, 1.0)], doc_cache_mb=-1)
+
+
+class _FailsOnceEach:
+    """SyntheticTokenizer that raises an unexpected error (no `reason`) the first time it sees a document."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def __call__(self, doc, media):
+        key = json.dumps(doc, sort_keys=True)
+        if key not in self.seen:
+            self.seen.add(key)
+            raise RuntimeError("transient: too many open files")
+        return TOK(doc, media)
+
+
+def test_doc_cache_retries_an_unexpected_tokenizer_error(corpus):
+    """Only data errors (with a reason) are remembered; a transient error is tried again next time."""
+    a, _ = corpus
+    tok = _FailsOnceEach()
+    loader = build_loader(_cfg([(a, 1.0)], num_workers=0, doc_cache_mb=64), tok, patch_dim=TOK.tubelet_dim)
+    _digests(loader, 60)
+    assert loader.epochs()[a] >= 2
+    assert loader.skipped().get("RuntimeError") == len(tok.seen), (loader.skipped(), len(tok.seen))
+    assert loader.metrics()["doc_cache/hit_fraction"] > 0.1  # the retried documents are cached once tokenized
