@@ -103,6 +103,16 @@ def make_accelerator(cfg: RunConfig):
     return acc
 
 
+def _gather_objects(obj, world_size: int) -> list:
+    """`obj` of every rank (torch.distributed.all_gather_object; NCCL sends it through the current
+    GPU). A collective."""
+    import torch.distributed as dist
+
+    out = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 class Trainer:
     """Owns the prepared model, optimizer, scheduler, loaders and the small units the loop calls.
 
@@ -540,8 +550,10 @@ class Trainer:
         """The loader's counters under `data/` (build.loader_metrics). With several processes the
         padding fraction and the token shares are over every rank's batches (the window's counts
         summed over ranks), not this rank's part of the global batch, which with grouped shards can
-        be mostly one modality; the rates and skip counts stay this rank's. A collective: every
-        rank calls it on the same (logging) steps."""
+        be mostly one modality; the skip counts (`data/skipped/*`, `data/skipped_total`) and the
+        tokenizer's counters (`data/tokenizer/*`) are summed over ranks too (their keys differ
+        between ranks: gathered as objects). The rates and the document cache's figures stay this
+        rank's. A collective: every rank calls it on the same (logging) steps."""
         out = B.loader_metrics(self.train_loader)
         if self.acc.num_processes == 1 or not hasattr(self.train_loader, "last_window"):
             return out
@@ -551,6 +563,13 @@ class Trainer:
         vec = torch.tensor([*w["tokens"], w["padding"]], dtype=torch.float64, device=self.device)
         total = self.acc.reduce(vec, reduction="sum").cpu().tolist()
         out.update({f"data/{k}": v for k, v in composition(total[:-1], total[-1]).items()})
+        counts = {k: v for k, v in out.items()
+                  if k.startswith(("data/skipped/", "data/tokenizer/")) or k == "data/skipped_total"}
+        summed: dict[str, float] = {}
+        for rank_counts in _gather_objects(counts, self.acc.num_processes):
+            for k, v in rank_counts.items():
+                summed[k] = summed.get(k, 0.0) + v
+        out.update(summed)
         return out
 
     # ---- units the loop calls ---------------------------------------------------------------
