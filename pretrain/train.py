@@ -103,16 +103,6 @@ def make_accelerator(cfg: RunConfig):
     return acc
 
 
-def _gather_objects(obj, world_size: int) -> list:
-    """`obj` of every rank (torch.distributed.all_gather_object; NCCL sends it through the current
-    GPU). A collective."""
-    import torch.distributed as dist
-
-    out = [None] * world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 class Trainer:
     """Owns the prepared model, optimizer, scheduler, loaders and the small units the loop calls.
 
@@ -551,24 +541,27 @@ class Trainer:
         padding fraction and the token shares are over every rank's batches (the window's counts
         summed over ranks), not this rank's part of the global batch, which with grouped shards can
         be mostly one modality; the skip counts (`data/skipped/*`, `data/skipped_total`) and the
-        tokenizer's counters (`data/tokenizer/*`) are summed over ranks too (their keys differ
-        between ranks: gathered as objects). The rates and the document cache's figures stay this
-        rank's. A collective: every rank calls it on the same (logging) steps."""
+        tokenizer's counters (`data/tokenizer/*`) are summed over ranks too. One gather of each
+        rank's counts as objects (the skip reasons differ between ranks). The rates and the
+        document cache's figures stay this rank's. A collective: every rank calls it on the same
+        (logging) steps."""
         out = B.loader_metrics(self.train_loader)
         if self.acc.num_processes == 1 or not hasattr(self.train_loader, "last_window"):
             return out
+        from accelerate.utils import gather_object
+
         from omniloom.data.stream import composition
 
-        w = self.train_loader.last_window or {"tokens": [0] * B.NUM_MODALITIES, "padding": 0}
-        vec = torch.tensor([*w["tokens"], w["padding"]], dtype=torch.float64, device=self.device)
-        total = self.acc.reduce(vec, reduction="sum").cpu().tolist()
-        out.update({f"data/{k}": v for k, v in composition(total[:-1], total[-1]).items()})
+        window = self.train_loader.last_window or {"tokens": [0] * B.NUM_MODALITIES, "padding": 0}
         counts = {k: v for k, v in out.items()
                   if k.startswith(("data/skipped/", "data/tokenizer/")) or k == "data/skipped_total"}
-        summed: dict[str, float] = {}
-        for rank_counts in _gather_objects(counts, self.acc.num_processes):
+        tokens, padding, summed = [0] * B.NUM_MODALITIES, 0, {}
+        for rank_window, rank_counts in gather_object([(window, counts)]):
+            tokens = [a + b for a, b in zip(tokens, rank_window["tokens"], strict=True)]
+            padding += rank_window["padding"]
             for k, v in rank_counts.items():
                 summed[k] = summed.get(k, 0.0) + v
+        out.update({f"data/{k}": v for k, v in composition(tokens, padding).items()})
         out.update(summed)
         return out
 

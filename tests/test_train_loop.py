@@ -662,7 +662,6 @@ def test_loader_composition_is_over_every_rank_with_several_processes(monkeypatc
     no collective."""
     from types import SimpleNamespace
 
-    import omniloom.pretrain.train as train_mod
     from omniloom.pretrain.train import Trainer
 
     class Loader:
@@ -674,29 +673,28 @@ def test_loader_composition_is_over_every_rank_with_several_processes(monkeypatc
                     "padding_fraction": 0.0, "tokens_per_s": 7.0, "skipped_total": 3.0,
                     "skipped/undecodable": 2.0, "skipped/bad_doc_json": 1.0, "tokenizer/video_decode_errors": 4.0}
 
-    other = {"data/skipped_total": 5.0, "data/skipped/undecodable": 5.0, "data/tokenizer/dropped_no_frames": 1.0}
+    other = ({"tokens": [0, 0, 0, 300, 0], "padding": 20},
+             {"data/skipped_total": 5.0, "data/skipped/undecodable": 5.0, "data/tokenizer/dropped_no_frames": 1.0})
     gathered = []
-    monkeypatch.setattr(train_mod, "_gather_objects",
-                        lambda obj, world: gathered.append((dict(obj), world)) or [obj, other])
+    import accelerate.utils
 
-    other_rank = torch.tensor([0, 0, 0, 300, 0, 20], dtype=torch.float64)
-    reduced = []
-    acc = SimpleNamespace(num_processes=2, reduce=lambda v, reduction: reduced.append(reduction) or v + other_rank)
-    fake = SimpleNamespace(train_loader=Loader(), device=torch.device("cpu"), acc=acc)
+    monkeypatch.setattr(accelerate.utils, "gather_object", lambda objs: gathered.append(objs) or [*objs, other])
+    fake = SimpleNamespace(train_loader=Loader(), acc=SimpleNamespace(num_processes=2))
     m = Trainer._loader_metrics(fake)
-    assert reduced == ["sum"]
     assert m["data/token_share/video"] == pytest.approx(300 / 500) and m["data/token_share/text"] == pytest.approx(100 / 500)
     assert m["data/token_share/image"] == pytest.approx(100 / 500) and m["data/token_share/code"] == 0.0
     assert m["data/padding_fraction"] == pytest.approx(20 / 520)
     assert m["data/tokens_per_s"] == 7.0
-    assert gathered == [({"data/skipped_total": 3.0, "data/skipped/undecodable": 2.0, "data/skipped/bad_doc_json": 1.0,
-                          "data/tokenizer/video_decode_errors": 4.0}, 2)]
+    assert gathered == [[({"tokens": [100, 0, 100, 0, 0], "padding": 0},
+                          {"data/skipped_total": 3.0, "data/skipped/undecodable": 2.0, "data/skipped/bad_doc_json": 1.0,
+                           "data/tokenizer/video_decode_errors": 4.0})]]
     assert (m["data/skipped_total"], m["data/skipped/undecodable"], m["data/skipped/bad_doc_json"]) == (8.0, 7.0, 1.0)
     assert m["data/tokenizer/video_decode_errors"] == 4.0 and m["data/tokenizer/dropped_no_frames"] == 1.0
-    acc.num_processes = 1
+    fake.acc.num_processes = 1
     alone = Trainer._loader_metrics(fake)
-    assert reduced == ["sum"] and alone["data/token_share/video"] == 0.0 and alone["data/token_share/text"] == 0.5
-    assert len(gathered) == 1 and alone["data/skipped_total"] == 3.0
+    assert len(gathered) == 1, "one process: no collective"
+    assert alone["data/token_share/video"] == 0.0 and alone["data/token_share/text"] == 0.5
+    assert alone["data/skipped_total"] == 3.0
 
 
 def test_tensorboard_has_one_run_holding_metrics_and_hyperparameters(tmp_path):
