@@ -158,13 +158,17 @@ def collate_rows(rows: list[list[Piece]], *, seq_len: int, pad_id: int, patch_di
     return batch, counts
 
 
+def patch_store_dtype(patch_dtype: str) -> np.dtype:
+    """The numpy dtype patches are written in for `patch_dtype`. numpy has no bfloat16: float32,
+    which torch then converts; float16 and float32 are written directly."""
+    return np.dtype(np.float32 if patch_dtype in ("float32", "bfloat16") else np.float16)
+
+
 def _gather_patches(blocks: list, patch_dim: int, patch_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """[P, D] patches (zero-padded to patch_dim) and [P] kinds, written once into one buffer."""
+    """[P, D] patches (zero-padded to patch_dim) and [P] kinds, written once into one buffer (the
+    cast to `patch_store_dtype` happens in the slice assignment, no second pass)."""
     P = sum(b.length for b in blocks)
-    # numpy has no bfloat16: fill float32 then let torch convert; float16/float32 are filled directly
-    # (the cast happens in the slice assignment, no second pass).
-    np_dtype = np.float32 if patch_dtype in ("float32", "bfloat16") else np.float16
-    patches_PD = np.zeros((P, patch_dim), dtype=np_dtype)
+    patches_PD = np.zeros((P, patch_dim), dtype=patch_store_dtype(patch_dtype))
     kind_P = np.empty(P, dtype=np.uint8)
     at = 0
     for b in blocks:

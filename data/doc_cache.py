@@ -32,17 +32,13 @@ import dataclasses
 
 import numpy as np
 
+from .batch import patch_store_dtype
 from .packing import Piece, PieceBlock
 
 # Python objects around a cached document's arrays (dict entry, tuple, Piece dataclasses): an
 # allowance, so that a budget of many tiny documents is not overrun by what the arrays leave out.
 ENTRY_OVERHEAD = 512
 PIECE_OVERHEAD = 400
-
-
-def patch_store_dtype(patch_dtype: str) -> np.dtype:
-    """The numpy dtype `collate_rows` writes patches in for `patch_dtype` (see data/batch.py)."""
-    return np.dtype(np.float32 if patch_dtype in ("float32", "bfloat16") else np.float16)
 
 
 class DocCache:
@@ -62,9 +58,6 @@ class DocCache:
     def __contains__(self, key: tuple) -> bool:
         return key in self._entries
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def get(self, key: tuple) -> tuple | None:
         entry = self._entries.get(key)
         if entry is None:
@@ -73,13 +66,12 @@ class DocCache:
             self.hits += 1
         return entry
 
-    def _admit(self, key: tuple, entry: tuple, nbytes: int) -> bool:
+    def _admit(self, key: tuple, entry: tuple, nbytes: int) -> None:
         if self.bytes + nbytes > self.budget:
             self.full = True
-            return False
+            return
         self._entries[key] = entry
         self.bytes += nbytes
-        return True
 
     def store_pieces(self, key: tuple, pieces: list[Piece], stats: dict) -> list[Piece]:
         """Keep `pieces` (their patches cast to the batch's storage dtype, arrays made read-only)
