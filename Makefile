@@ -28,7 +28,7 @@ demo: $(STAMP)
 
 # On a CUDA machine: kernel parity + timings, attention backends, one training step (< 8 min on an H200).
 gpu-check: $(STAMP)
-	$(PY) -m omniloom.kernels.gpu_check --out $${OUT:-gpu_check_out}
+	$(PY) -m omniloom.pretrain.bench.gpu_check --out $${OUT:-gpu_check_out}
 
 bench: $(STAMP)
 	$(VENV)/bin/omniloom bench

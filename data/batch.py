@@ -25,9 +25,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from omniloom.data.packing import Piece
 from omniloom.tokenizers.layout import IMAGE, SPECIAL, VIDEO
-
-from .packing import Piece
 
 IGNORE_INDEX = -100
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -144,7 +144,7 @@ def register(sub) -> None:
     v.set_defaults(func=_verify)
 
     try:
-        from .demo_corpus import register_demo_corpus
+        from omniloom.data.prep.demo_corpus import register_demo_corpus
     except ModuleNotFoundError as err:
         if not (err.name or "").endswith("demo_corpus"):
             raise
@@ -161,7 +161,7 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--image-size", type=int, default=384, help="width of generated images in pixels (default 384)")
     p.add_argument("--keep", metavar="DIR", help="generate and build under DIR and keep it (default: a temp folder, removed)")
     p.set_defaults(func=_bench)
-    from . import stream_bench
+    from .stream import stream_bench
 
     p = bench_sub.add_parser("stream", help="stream tokens/s, best-fit vs sequential padding, restore vs replay",
                              description=(stream_bench.__doc__ or "").strip().split("\n\n")[0] or None)
@@ -174,10 +174,10 @@ def _progress(args) -> bool:
 
 
 def _build(args) -> int:
-    from .ingest import IngestSettings
-    from .media import MediaLimits
-    from .shards import build, parse_part
-    from .validate import TextPolicy
+    from omniloom.data.prep.ingest import IngestSettings
+    from omniloom.data.prep.media import MediaLimits
+    from omniloom.data.prep.shards import build, parse_part
+    from omniloom.data.prep.validate import TextPolicy
 
     ingest = IngestSettings(
         text=TextPolicy(bad_utf8=args.bad_utf8, nul=args.nul, max_bytes=args.max_text_bytes, undeclared_encoding=args.undeclared_encoding),
@@ -220,7 +220,7 @@ def format_summary(out: str, s: dict) -> str:
         f" in {s['seconds']:.1f}s ({s['documents'] / secs:.1f} docs/s, {s['bytes'] / secs / 1e6:.2f} MB/s){' (resumed)' if s.get('resumed') else ''}",
         "segments: " + ", ".join(f"{k} {v}" for k, v in s["segments"].items()),
     ]
-    from .ingest import NOTICE_CODES
+    from omniloom.data.prep.ingest import NOTICE_CODES
 
     rej = {k: v for k, v in s["rejects"].items() if k not in NOTICE_CODES}
     notes = {k: v for k, v in s["rejects"].items() if k in NOTICE_CODES}
@@ -231,14 +231,14 @@ def format_summary(out: str, s: dict) -> str:
     if notes:  # inputs kept, with something done to them (an encoding guessed, NaN nulled)
         lines.append("notices: " + ", ".join(f"{k} {v}" for k, v in notes.items()) + f" (inputs kept; details in {out}/rejects.jsonl)")
     if s.get("skipped"):
-        from .ingest import describe_skipped
+        from omniloom.data.prep.ingest import describe_skipped
 
         lines.append(f"skipped: {describe_skipped(s['skipped'])}; --include-hidden builds them")
     return "\n".join(lines)
 
 
 def _merge(args) -> int:
-    from .merge import merge
+    from omniloom.data.prep.merge import merge
 
     r = merge(args.parts, args.out, mode=args.mode, name=args.name, allow_missing=args.allow_missing)
     print(f"{args.out}: merged {r['parts']} parts -> {r['shards']} shards, {r['documents']} documents, {r['bytes'] / 1e6:.2f} MB")
@@ -249,7 +249,7 @@ def _merge(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .inspect import render_html, render_text, select_samples
+    from omniloom.data.prep.inspect import render_html, render_text, select_samples
 
     # a document asked for by --index or --key is that one document, as on the terminal; --html
     # alone is a page of the first 20 to browse
@@ -266,7 +266,7 @@ def _inspect(args) -> int:
 
 
 def _stats(args) -> int:
-    from .inspect import compute_stats, format_stats
+    from omniloom.data.prep.inspect import compute_stats, format_stats
 
     st = compute_stats(args.dir, progress=_progress(args))
     print(json.dumps(st, indent=1) if args.json else format_stats(st))
@@ -274,7 +274,7 @@ def _stats(args) -> int:
 
 
 def _verify(args) -> int:
-    from .inspect import verify
+    from omniloom.data.prep.inspect import verify
 
     problems, counts = verify(args.dir, media=not args.no_media, progress=_progress(args))
     for p in problems:
@@ -286,7 +286,7 @@ def _verify(args) -> int:
 
 
 def _bench(args) -> int:
-    from .build_bench import run_bench
+    from omniloom.data.prep.build_bench import run_bench
 
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     if not workers or min(workers) < 1:

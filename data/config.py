@@ -1,6 +1,6 @@
 """Data-stream configuration (docs/data-format.md section 5): shard sets with mixture weights, packing and loader sizes.
 
-A source names one shard set. How `path` / `manifest` are resolved (see data/reader.py):
+A source names one shard set. How `path` / `manifest` are resolved (see data/stream/reader.py):
 
 - a local directory holding `manifest.json` (what `omniloom data build` writes);
 - a path or URL ending in `.json`: the manifest itself; shards are looked up beside it;
@@ -64,7 +64,7 @@ class DataConfig:
     # just that segment and keep the rest (counted as tokenizer/dropped_<reason>).
     media_errors: Literal["skip", "drop"] = "skip"
     # MB of tokenized documents each training loader worker keeps, so that a document drawn again
-    # in a later epoch is neither re-read nor re-decoded (data/doc_cache.py); 0 = off. Worth it for
+    # in a later epoch is neither re-read nor re-decoded (data/stream/doc_cache.py); 0 = off. Worth it for
     # small corpora read for many epochs (the demo); the batches are identical either way.
     doc_cache_mb: float = 0.0
 

@@ -20,9 +20,6 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .media import MediaLimits
-from .validate import TextPolicy
-
 FORMAT = "omniloom-shards"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -56,6 +53,11 @@ def parse_manifest(text: str, where: str) -> dict:
     return man
 
 
+# The build's default limits (its --max-text-bytes, --max-image-bytes, --max-video-bytes): defined
+# here, where builds and readers both find them (data/prep's TextPolicy and MediaLimits default to them).
+DEFAULT_MAX_TEXT_BYTES = 16 << 20
+DEFAULT_MAX_IMAGE_BYTES = 64 << 20
+DEFAULT_MAX_VIDEO_BYTES = 1 << 30
 DOC_JSON_GROWTH = 8  # a doc.json holds one input's text, which JSON escaping grows up to 6x (\u0001), and its meta
 
 
@@ -66,9 +68,9 @@ class ReadLimits:
     `settings` record them; the build's defaults when a manifest has none). A member past its
     limit is skipped unread (`oversize_member`), so a hostile header cannot size an allocation."""
 
-    doc_json_bytes: int = DOC_JSON_GROWTH * TextPolicy().max_bytes
-    image_bytes: int = MediaLimits().max_image_bytes
-    video_bytes: int = MediaLimits().max_video_bytes
+    doc_json_bytes: int = DOC_JSON_GROWTH * DEFAULT_MAX_TEXT_BYTES
+    image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
+    video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
 
     @classmethod
     def from_settings(cls, settings) -> "ReadLimits":

@@ -1,5 +1,5 @@
 """An exclusive lock on an output folder, so two `data build` (or `data merge`) runs never write
-into one folder at once, nor two trainings into one run folder (`omniloom.pretrain.runlock`).
+into one folder at once, nor two trainings into one run folder (`omniloom.pretrain.train.runlock`).
 
 The lock is a POSIX record lock (`fcntl.lockf`) on `DIR/.omniloom.lock`. The kernel drops it when
 the holding process ends in any way, `kill -9` included, so a stale lock file never blocks a

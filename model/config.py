@@ -94,7 +94,7 @@ class MoEConfig:
     tokens among the last `num_visual_experts` (0: half of them).
     `expert_parallel`: split the routed experts of every MoE layer over this many ranks (an expert
     group; it must divide `num_experts` and the world size). The model itself stays single-device:
-    `omniloom.pretrain.expert_parallel.parallelize_experts` shards a built model; 1 changes nothing."""
+    `omniloom.pretrain.train.expert_parallel.parallelize_experts` shards a built model; 1 changes nothing."""
 
     num_experts: int = 8
     num_experts_per_token: int = 2

@@ -98,7 +98,7 @@ class OmniModel(nn.Module):
     def __init__(self, cfg: ModelConfig, *, expert_range: tuple[int, int] | None = None):
         """`expert_range` [lo, hi): every MoE layer holds only those routed experts, with the
         values the full model would give them for the same seed (expert parallelism builds a
-        rank's shard so, never the whole model: pretrain/expert_parallel.py)."""
+        rank's shard so, never the whole model: pretrain/train/expert_parallel.py)."""
         super().__init__()
         cfg.validate()
         check_backend(cfg.attention.backend)

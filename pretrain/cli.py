@@ -19,49 +19,25 @@ import logging
 import os
 import sys
 
-from .integrity import DiskFullError, is_disk_full
+from .console import USER_ERRORS, setup_logging, user_error_line, version
 
 # Order is the order in `omniloom --help`.
 COMMAND_MODULES = (
     "omniloom.data.cli",
     "omniloom.tokenizers.cli",
-    "omniloom.pretrain.train_cli",
-    "omniloom.pretrain.export_cli",
+    "omniloom.pretrain.train.cli",
+    "omniloom.pretrain.export.cli",
+    "omniloom.pretrain.inference.cli",
     "omniloom.pretrain.report",
     "omniloom.pretrain.demo",
-    "omniloom.pretrain.config_cli",
+    "omniloom.pretrain.config.cli",
     "omniloom.model.cli",
     "omniloom.kernels.cli",
-    "omniloom.pretrain.bench_hf",
-    "omniloom.pretrain.bench_hf_generate",
-    "omniloom.pretrain.bench_decode",
-    "omniloom.pretrain.bench_threads",
+    "omniloom.pretrain.bench.cli",
 )
 
-# DiskFullError: a checkpoint save that filled the disk says so in one line (the data is intact)
-USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, DiskFullError)
-
-
-def user_error_line(err: BaseException) -> str | None:
-    """The one line for an error the user can act on (USER_ERRORS, or an OSError that is a full
-    disk: metrics, TensorBoard, a shard), else None (a bug: let it raise)."""
-    if isinstance(err, USER_ERRORS):
-        return f"error: {err}"
-    if isinstance(err, OSError) and is_disk_full(err):
-        return f"error: disk full: {err}"
-    return None
 
 log = logging.getLogger("omniloom")
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("omniloom")
-    except PackageNotFoundError:  # running from a tree that was never installed
-        return "0+unknown"
 
 
 def _cli_modules():
@@ -71,18 +47,6 @@ def _cli_modules():
         except ModuleNotFoundError as err:
             if err.name != name:  # a real missing dependency inside the module: surface it
                 raise
-
-
-def setup_logging(verbosity: int, *, prefix: str = "") -> None:
-    """The console keeps to omniloom's own lines: at the default verbosity omniloom logs INFO and
-    every other library (accelerate's lines per checkpoint, matplotlib's font cache, ...) only
-    warnings; -v shows omniloom's DEBUG and the others' INFO, -vv everything; -q warnings only,
-    -qq errors only. `prefix` starts every line (the rank, for ranks other than 0)."""
-    own = {0: logging.INFO, 1: logging.DEBUG, -1: logging.WARNING}.get(verbosity, logging.DEBUG if verbosity > 0 else logging.ERROR)
-    others = {0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG if verbosity > 1 else own)
-    logging.basicConfig(level=others, format=prefix + "%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        force=True)
-    logging.getLogger("omniloom").setLevel(own)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .rundir import CHECKPOINTS, METRICS, REPORT
+
 
 @dataclass
 class Stage:
@@ -39,12 +41,12 @@ def _omniloom(*args: str) -> list[str]:
 
 def demo_threads(processes: int, env=None) -> list[str]:
     """`--threads N` for the one-process eval and generate stages: the training's share of the
-    cores this process may use (affinity and cgroup quota, pretrain/threads.py), not every core.
+    cores this process may use (affinity and cgroup quota, pretrain/runtime/threads.py), not every core.
     On a shared 2-core machine two threads per process run several times slower as soon as other
     jobs take a core (the one-process eval of 298 held-out documents: 110 s with 2 threads on a
     busy machine). Nothing when the user set OMP_NUM_THREADS: their choice wins. The training
     stage chooses for itself under the launcher (cores / processes, less its loader workers)."""
-    from .threads import available_cores
+    from omniloom.pretrain.runtime.threads import available_cores
 
     env = os.environ if env is None else env
     if env.get("OMP_NUM_THREADS", "").strip():
@@ -56,7 +58,7 @@ def demo_parallel(processes: int, env=None) -> int:
     """How many one-process stages may run at once: the cores this process may use over the
     threads each stage takes (`demo_threads`, or the user's OMP_NUM_THREADS). The training runs
     alone whatever this says: every later stage needs its checkpoint."""
-    from .threads import available_cores
+    from omniloom.pretrain.runtime.threads import available_cores
 
     env = os.environ if env is None else env
     cores = available_cores()
@@ -70,12 +72,12 @@ def demo_parallel(processes: int, env=None) -> int:
 
 
 def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) -> list[Stage]:
-    from .config import resolve_accelerate_config
+    from omniloom.pretrain.config.run import resolve_accelerate_config
 
     corpus, shards, tok, run, export = out / "corpus", out / "shards", out / "tokenizer", out / "run", out / "export"
     threads = demo_threads(processes)
     # omniloom launch: accelerate launch's arguments, with a scheduler's exit codes (Ctrl-C saves, exits 0)
-    launch = [sys.executable, "-m", "omniloom.pretrain.launch"]
+    launch = [sys.executable, "-m", "omniloom.pretrain.runtime.launch"]
     if processes > 1:
         launch += ["--config_file", str(resolve_accelerate_config("cpu_2proc")), "--num_processes", str(processes)]
     else:
@@ -115,7 +117,7 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
               needs=("data build (synthetic)", "data build (real files)")),
         Stage("train (omniloom launch)", [*launch, "-m", "omniloom.pretrain.train", "--config", "demo",
                                             "--resume", "auto", *train_overrides],  # a re-run continues a cut-off training
-              run / "checkpoints" / f"step_{steps:08d}"),
+              run / CHECKPOINTS / f"step_{steps:08d}"),
         Stage("eval", _omniloom("eval", str(run), "--data", str(shards / "heldout"), "--out", str(out / "eval.json"),
                                 "--no-progress", "--captions", *threads), out / "eval.json",
               needs=("train (omniloom launch)",)),
@@ -127,7 +129,7 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
                                                   "--prompt", "", "--max-new-tokens", "16", "--out", str(out / "generate.txt"),
                                                   *threads),
               out / "generate.txt", needs=("export",)),
-        Stage("report", _omniloom("report", str(run), "--eval", str(out / "eval.json")), run / "report" / "index.html",
+        Stage("report", _omniloom("report", str(run), "--eval", str(out / "eval.json")), run / REPORT / "index.html",
               needs=("eval",)),
     ]
 
@@ -232,7 +234,7 @@ def _summary(out: Path, timings: dict, wall: float | None = None) -> None:
             docs = (ev.get("counts") or {}).get("docs")
             print(f"  held-out loss (omniloom eval{f', {docs} documents' if docs else ''}, nats/token): {fmt(ev['loss'])}")
         if "cross_modal_gap" in ev:
-            from .evaluate import describe_gap
+            from omniloom.pretrain.inference.evaluate import describe_gap
 
             detail = ev.get("cross_modal_gap_detail") or {}
             print("  cross-modal gap (nats/token; > 0: the model reads its pixels): "
@@ -249,9 +251,9 @@ def _summary(out: Path, timings: dict, wall: float | None = None) -> None:
             if probes:
                 print("    probes: " + ", ".join(f"{name} changes the {attr} word in {p[attr + '_changed']:.0%}"
                                               for name, attr, p in probes))
-    metrics = out / "run" / "metrics.jsonl"
+    metrics = out / "run" / METRICS
     if metrics.exists():
-        from .metrics import read_metrics
+        from .rundir import read_metrics
 
         evals = [r for r in read_metrics(metrics) if any(k.startswith("eval/loss/") for k in r)]
         if len(evals) >= 2:

@@ -17,6 +17,8 @@ import json
 import math
 from pathlib import Path
 
+from .rundir import CHECKPOINT_CONFIG, CHECKPOINTS, METRICS, REPORT
+
 MODALITIES = ("text", "code", "image", "video", "special")
 
 
@@ -292,7 +294,7 @@ def _eval_html(ev: dict) -> str:
 
 def _captions_html(cap: dict) -> str:
     """`omniloom eval --captions`: exact captions, the per-attribute table, the probes."""
-    from .captions import PROBE_TARGETS
+    from omniloom.pretrain.inference.captions import PROBE_TARGETS
 
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     docs = cap.get("docs") or {}
@@ -323,16 +325,16 @@ def _captions_html(cap: dict) -> str:
 
 def _run_settings(run_dir: Path) -> list[tuple[str, str]]:
     """Key settings of the run from its newest checkpoint's config.yaml (empty when none)."""
-    from .checkpoint import latest_checkpoint
+    from omniloom.pretrain.checkpoint.manager import latest_checkpoint
 
-    ckpts = run_dir / "checkpoints"
+    ckpts = run_dir / CHECKPOINTS
     ckpt = latest_checkpoint(ckpts) if ckpts.is_dir() else None
-    if ckpt is None or not (ckpt / "config.yaml").is_file():
+    if ckpt is None or not (ckpt / CHECKPOINT_CONFIG).is_file():
         return []
     try:
-        from .config import load_saved_config
+        from omniloom.pretrain.config.run import load_saved_config
 
-        cfg = load_saved_config(ckpt / "config.yaml")
+        cfg = load_saved_config(ckpt / CHECKPOINT_CONFIG)
     except Exception:  # the report must not fail on an old or hand-edited config
         return []
     world = None
@@ -360,16 +362,16 @@ def _run_settings(run_dir: Path) -> list[tuple[str, str]]:
 
 def write_report(run_dir: str | Path, *, eval_json: str | Path | None = None, out_dir: str | Path | None = None) -> Path:
     """Write the report for `run_dir`; returns the path of index.html."""
-    from .metrics import read_metrics
+    from .rundir import read_metrics
 
     run_dir = Path(run_dir)
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run_dir / METRICS
     if not metrics_path.is_file():
         raise FileNotFoundError(f"{metrics_path} not found: is {run_dir} a training run folder (train.run_dir)?")
     rows = read_metrics(metrics_path)
     if not rows:
         raise ValueError(f"{metrics_path} holds no metrics yet; train for at least logging.every steps")
-    out = Path(out_dir) if out_dir else run_dir / "report"
+    out = Path(out_dir) if out_dir else run_dir / REPORT
     out.mkdir(parents=True, exist_ok=True)
     ev = json.loads(Path(eval_json).read_text()) if eval_json else {}
 

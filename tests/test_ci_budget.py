@@ -1,5 +1,5 @@
 """Subprocess tests are limited by work (CPU seconds), not wall time (issue 14 item 19): a starved
-child passes, a runaway or hung child is stopped with a reason. See tests/subproc_budget.py."""
+child passes, a runaway or hung child is stopped with a reason. See tests/support/subproc_budget.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("subproc_budget", Path(__file__).with_name("subproc_budget.py"))
+_spec = importlib.util.spec_from_file_location("subproc_budget", (Path(__file__).resolve().parents[0] / "support" / "subproc_budget.py"))
 budget = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(budget)
 

@@ -32,7 +32,7 @@ def test_bare_names_do_not_resolve_to_repo_folders():
 
 
 def test_presets_ship_as_package_data():
-    from omniloom.pretrain.config import list_presets, presets_dir
+    from omniloom.pretrain.config.run import list_presets, presets_dir
 
     assert "tiny" in list_presets()
     assert (presets_dir() / "accelerate").is_dir()
@@ -59,6 +59,6 @@ def test_wheel_top_level_is_only_omniloom(tmp_path):
     assert tops == {"omniloom"}, tops
     assert "omniloom/tokenizers/__init__.py" in names
     # the Hugging Face wrappers an export copies (package data, issue 26)
-    assert {"omniloom/pretrain/hf/remote/modeling_omniloom.py", "omniloom/pretrain/hf/remote/kernels_ops.py"} <= set(names)
+    assert {"omniloom/pretrain/export/hf/remote/modeling_omniloom.py", "omniloom/pretrain/export/hf/remote/kernels_ops.py"} <= set(names)
     assert "omniloom/configs/tiny.yaml" in names
     assert any(n.startswith("omniloom/configs/accelerate/") for n in names)

@@ -64,7 +64,7 @@ def _all_parsers():
     import argparse
 
     from omniloom.pretrain.cli import build_parser
-    from omniloom.pretrain.train import build_arg_parser
+    from omniloom.pretrain.train.main import build_arg_parser
 
     todo, seen = [build_parser(), build_arg_parser()], []
     while todo:

@@ -3,7 +3,7 @@
 `transformers.AutoTokenizer.from_pretrained(DIR)` works on a tokenizer or export folder.
 
 The fast tokenizer is built from the SentencePiece model itself, with no dependency on
-`tokenizers` or `transformers` here, and gives omniloom's ids exactly (tests/test_tokenizer_hf.py):
+`tokenizers` or `transformers` here, and gives omniloom's ids exactly (tests/tokenizers/test_tokenizer_hf.py):
 
 - model: BPE with byte fallback; the vocabulary is SentencePiece's pieces at their ids, and the
   merges are every split (a, b) of a learned piece into two learned pieces, ordered by the

@@ -48,7 +48,7 @@ class MediaSettings:
     image_patch_budget: int = 256
     video_fps: float = 2.0
     # 14 frames = 7 tubelet groups of 64 patches: a video block of 450 tokens, which fits the shipped
-    # presets' shortest rows (seq_len 512; tests/test_config.py checks every preset against these defaults)
+    # presets' shortest rows (seq_len 512; tests/pretrain/test_config.py checks every preset against these defaults)
     video_frame_budget: int = 14
     video_patch_budget: int = 64
     video_sampling: str = "clip"
@@ -126,3 +126,18 @@ class MediaSettings:
         d = asdict(self)
         d.update(changes)
         return MediaSettings.from_dict(d)
+
+
+class MediaSizes:
+    """The patch sizes of a tokenizer's media settings, as tokenize_document reads them: shared by
+    the SentencePiece tokenizer (text.py) and the one an export carries (hf_text.py)."""
+
+    settings: MediaSettings
+
+    @property
+    def patch_dim(self) -> int:
+        return self.settings.patch_dim
+
+    @property
+    def tubelet_dim(self) -> int:
+        return self.settings.tubelet_dim

@@ -28,13 +28,15 @@ from pathlib import Path
 import numpy as np
 
 from omniloom.tokenizers import layout
-from omniloom.tokenizers.settings import MediaSettings
+from omniloom.tokenizers.settings import MediaSettings, MediaSizes
 
 log = logging.getLogger(__name__)
 
 FORMAT = "omniloom-tokenizer"
 VERSION = 1
 MODEL_FILE, META_FILE = "tokenizer.model", "omniloom_tokenizer.json"
+# every file `Tokenizer.save` writes (an export carries them all); the last three are tokenizers/hf.py's HF_FILES
+SAVED_FILES = (MODEL_FILE, META_FILE, "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 LEGACY_META_FILE = "tokenizer.json"  # omniloom's metadata before it moved aside for Hugging Face's file
 JSON_FILE = META_FILE  # the old constant's name
 WS_MARK = "\u2581"
@@ -56,8 +58,9 @@ SP_TRAINER_DEFAULTS = dict(
 )
 
 
-class Tokenizer:
-    """Text/code ids, special ids and media settings of one trained tokenizer.
+class Tokenizer(MediaSizes):
+    """Text/code ids, special ids and media settings of one trained tokenizer (patch_dim and
+    tubelet_dim from MediaSizes).
 
     `Tokenizer.load(dir)` reads tokenizer.model + omniloom_tokenizer.json. Picklable (DataLoader workers get
     a copy of the serialized model, not a file path).
@@ -80,15 +83,6 @@ class Tokenizer:
         self.patch_id = layout.PATCH_ID
         self._encode = self.sp.encode
         self._special_set = frozenset(range(layout.FIRST_BYTE_ID))
-
-    # -- media settings ------------------------------------------------------------------------
-    @property
-    def patch_dim(self) -> int:
-        return self.settings.patch_dim
-
-    @property
-    def tubelet_dim(self) -> int:
-        return self.settings.tubelet_dim
 
     # -- text ----------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -211,10 +205,6 @@ class Tokenizer:
         if meta.get("special_ids") not in (None, tok.special_ids):
             raise ValueError(f"{jpath} special ids differ from this omniloom's fixed layout; retrain the tokenizer")
         return tok
-
-    def with_settings(self, settings: MediaSettings) -> Tokenizer:
-        """The same vocabulary with other media settings."""
-        return Tokenizer(self._proto, settings, self.info)
 
     def __getstate__(self):
         return {"proto": self._proto, "settings": self.settings.to_dict(), "info": self.info}

@@ -1,0 +1,26 @@
+"""The data stream: shards -> tokenized documents -> packed PackedBatch rows, resumable per rank
+and worker.
+
+    reader.py       samples read from shards by manifest offset, untrusted (skips counted by reason)
+    loader.py       WorkerStream, StreamDataset, StreamLoader, build_loader
+    cursor.py, elastic.py, state_check.py   the exact and elastic resume state
+    doc_cache.py    tokenized documents kept per loader worker
+    stream_bench.py `omniloom bench data stream`
+
+Imports the data root (batch, packing, manifest, config), never data.prep. Loaded lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {"build_loader": "loader", "StreamLoader": "loader", "StreamDataset": "loader", "WorkerStream": "loader",
+         "StreamDataError": "loader"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

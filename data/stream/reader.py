@@ -1,0 +1,455 @@
+"""Shard reading: resolve a source to its shards and manifest, read any sample by byte offset.
+
+Every sample is addressed as (shard index, sample index) and read as the byte range
+[offset_i, offset_{i+1}) of its tar (the manifest's offsets, docs/data-format.md section 1), so one corrupt or
+truncated sample costs only itself, and a reader can start anywhere: exact resume re-reads what sat
+in the buffers by these references instead of replaying an epoch.
+
+Local shards are read with seek; remote shards (URLs, `pipe:` commands) are streamed through
+webdataset's `gopen`, and a forward jump within the open stream is done by reading and discarding.
+
+A shard is data, not code to trust: a sample is read only within its byte range (bounded by the
+file's real size, so a manifest's offset never sizes an allocation), a member larger than the
+build's limits (`ReadLimits`, from the manifest's build settings) or sparse (tar holes expand to
+zeros in memory) is never read, and offsets out of order or a key that is not the manifest's skip
+the sample: each is a counted `SampleError`, never a dead run (docs/data-format.md section 1).
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import logging
+import os
+import re
+import tarfile
+import warnings
+from dataclasses import dataclass, field
+
+from omniloom.data.config import SourceConfig
+from omniloom.data.manifest import ReadLimits, member_refusal, parse_manifest, split_member
+
+log = logging.getLogger(__name__)
+
+_SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+
+
+class SampleError(Exception):
+    """A sample that cannot be used; `reason` is the counter it is skipped under."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class ShardInfo:
+    """One tar of a shard set, with the byte offset of each sample's first header (-1: the
+    manifest's entry was not an integer; that sample is skipped as `bad_offset`)."""
+
+    url: str
+    name: str
+    offsets: list[int]
+    keys: list[str]
+    num_bytes: int = -1  # -1: unknown, read to the end of the stream for the last sample
+    limits: ReadLimits = field(default_factory=ReadLimits)
+    _sorted: list[int] | None = field(default=None, repr=False, compare=False)
+
+    def byte_range(self, i: int) -> tuple[int, int]:
+        """[start, end) of sample i: from its offset to the next larger offset of the shard (end
+        -1: to the end of the stream). Not the next entry's offset: a manifest that lists samples
+        out of order then costs only the entries that lie, not their neighbours."""
+        if self._sorted is None:
+            self._sorted = sorted(set(o for o in self.offsets if o >= 0))
+        start = self.offsets[i]
+        j = bisect.bisect_right(self._sorted, start)
+        return start, (self._sorted[j] if j < len(self._sorted) else self.num_bytes)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.offsets)
+
+
+@dataclass
+class ShardSet:
+    """A resolved source: its shards (manifest order) and mixture weight."""
+
+    label: str
+    weight: float
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+
+def is_local(url: str) -> bool:
+    """True for plain paths and file: URLs (seekable); False for http(s), gs, s3, pipe: ..."""
+    return url.startswith("file:") or not _SCHEME_RE.match(url) or os.path.exists(url)
+
+
+def _local_path(url: str) -> str:
+    return url[len("file:"):] if url.startswith("file:") else url
+
+
+def _read_text(url: str) -> str:
+    if is_local(url):
+        with open(_local_path(url), encoding="utf-8") as f:
+            return f.read()
+    from webdataset import gopen
+
+    with gopen(url, "rb") as f:
+        return f.read().decode("utf-8")
+
+
+def _join(base: str, name: str) -> str:
+    if is_local(base):
+        return os.path.join(_local_path(base), name)
+    return base.rstrip("/") + "/" + name
+
+
+def _dirname(url: str) -> str:
+    return os.path.dirname(_local_path(url)) if is_local(url) else url.rsplit("/", 1)[0]
+
+
+def _expand(pattern: str) -> list[str]:
+    import braceexpand
+
+    return list(braceexpand.braceexpand(pattern))
+
+
+def _int_or(value, fallback: int) -> int:
+    """An integer from a manifest (an integral float such as 1e3 too), else `fallback`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+        return fallback
+    return int(value) if int(value) == value else fallback
+
+
+def _samples(entry: dict) -> tuple[list[int], list[str]]:
+    """(offsets, keys) of a manifest shard entry; an entry that is not {key, offset} reads as key
+    "" at offset -1, skipped at read time like any other lie of the manifest."""
+    offsets, keys = [], []
+    for s in entry.get("samples") or []:
+        s = s if isinstance(s, dict) else {}
+        offsets.append(_int_or(s.get("offset"), -1))
+        keys.append(str(s.get("key", "")))
+    return offsets, keys
+
+
+def _shards_from_manifest(manifest: dict, base: str, urls: list[str] | None, where: str) -> list[ShardInfo]:
+    entries = manifest.get("shards") or []
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
+        raise ValueError(f"{where}: 'shards' is not a list of {{name, samples}} entries; rebuild the manifest with `omniloom data build`")
+    limits = ReadLimits.from_settings(manifest.get("settings"))
+    by_name = {e["name"]: e for e in entries}
+    shards = []
+    if urls is None:
+        pairs = [(_join(base, e["name"]), e) for e in entries]
+    else:
+        # Shards named by a pattern or pipe: command: match each URL to its manifest entry by the
+        # shard file name it contains (a pipe: command carries it inside the command line).
+        pairs = []
+        for url in urls:
+            entry = by_name.get(url.rsplit("/", 1)[-1])  # the usual case, without a scan of every name
+            if entry is None:
+                hits = [n for n in by_name if n in url]
+                if not hits:
+                    raise ValueError(f"shard '{url}' is not listed in {where}; rebuild the manifest or fix the pattern")
+                entry = by_name[max(hits, key=len)]
+            pairs.append((url, entry))
+    for url, e in pairs:
+        offsets, keys = _samples(e)
+        shards.append(ShardInfo(url=url, name=e["name"], offsets=offsets, keys=keys,
+                                num_bytes=max(_int_or(e.get("bytes"), -1), -1), limits=limits))
+    return shards
+
+
+def index_shard(url: str) -> ShardInfo:
+    """Index a shard without a manifest: one streaming pass recording each sample's offset."""
+    offsets, keys = [], []
+    try:
+        with _open_stream(url, 0) as f, tarfile.open(fileobj=f, mode="r|") as tf:
+            for member in tf:
+                key = split_member(member.name)[0]
+                if not keys or keys[-1] != key:
+                    keys.append(key)
+                    offsets.append(member.offset)
+    except (tarfile.TarError, EOFError, ValueError, OverflowError, SampleError) as err:
+        if not keys:
+            raise ValueError(f"'{url}' is not a readable tar shard ({err}); point data.sources at a folder made by "
+                             "`omniloom data build`") from None
+        # a truncated or damaged tail: the samples before it still count; reading the last one says what is wrong
+        warnings.warn(f"shard '{url}' is damaged after {len(keys)} samples ({err}); indexed those", stacklevel=3)
+    return ShardInfo(url=url, name=os.path.basename(url), offsets=offsets, keys=keys)
+
+
+_COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"), (b"BZh", "bzip2", "bunzip2"),
+               (b"\xfd7zXZ\x00", "xz", "unxz"))
+
+
+def _check_tar(url: str, source: str) -> None:
+    """Refuse, at start and in one line, a shard given by path that is not an uncompressed tar (a
+    .tar.gz, a text file): samples are read by byte offset, which a compressed stream has not."""
+    fix = "point data.sources at a folder made by `omniloom data build`"
+    if not is_local(url):
+        name = url.split("?")[0].lower()
+        if not url.startswith("pipe:") and name.endswith((".gz", ".tgz", ".zst", ".bz2", ".xz")):
+            raise ValueError(f"source '{source}': '{url}' is a compressed tar; omniloom reads uncompressed tar shards "
+                             f"by byte offset: decompress it, or {fix}")
+        return
+    path = _local_path(url)
+    if os.path.isdir(path):
+        raise ValueError(f"source '{source}': '{url}' is a folder without manifest.json, not a tar shard; {fix}")
+    with open(path, "rb") as f:
+        head = f.read(tarfile.BLOCKSIZE)
+    for magic, kind, tool in _COMPRESSED:
+        if head.startswith(magic):
+            raise ValueError(f"source '{source}': '{url}' is {kind}-compressed; omniloom reads uncompressed tar shards by "
+                             f"byte offset: decompress it ({tool}), or {fix}")
+    try:
+        tarfile.TarInfo.frombuf(head, tarfile.ENCODING, "surrogateescape")
+    except (tarfile.EmptyHeaderError, tarfile.EOFHeaderError):
+        return  # an empty tar: resolve_source says it has zero samples
+    except tarfile.HeaderError as err:
+        raise ValueError(f"source '{source}': '{url}' is not a tar shard ({err}); {fix}") from None
+
+
+def resolve_source(source: SourceConfig) -> ShardSet:
+    """Resolve a SourceConfig to its shards and per-sample offsets.
+
+    Raises ValueError (FileNotFoundError for missing local files) when the manifest or a shard is
+    missing or when the set has zero samples: those are errors at start, not skips.
+    """
+    path, where = source.path, source.manifest or source.path
+    urls: list[str] | None = None
+    manifest_url = source.manifest
+    if not manifest_url:
+        if is_local(path) and os.path.isdir(_local_path(path)):
+            manifest_url = _join(path, "manifest.json")
+            if not os.path.exists(manifest_url):
+                raise FileNotFoundError(f"source '{path}' has no manifest.json; build it with `omniloom data build`")
+        elif path.endswith(".json"):
+            manifest_url = path
+        else:
+            urls = _expand(path)
+            missing = [u for u in urls if is_local(u) and not os.path.exists(_local_path(u))]
+            if missing:  # before any "no manifest" warning: the path itself is wrong
+                what = "no such folder or shard file" if len(urls) == 1 else f"{len(missing)} of {len(urls)} shards do not exist, e.g. '{missing[0]}'"
+                raise FileNotFoundError(f"source '{path}': {what}; point data.sources at a folder made by `omniloom data build`")
+            for url in urls:
+                _check_tar(url, path)
+            beside = _join(_dirname(urls[0]), "manifest.json")
+            if is_local(beside):
+                manifest_url = beside if os.path.exists(beside) else ""
+            elif not urls[0].startswith("pipe:"):
+                try:  # an object-store URL: the manifest usually sits beside the shards
+                    _read_text(beside)
+                    manifest_url = beside
+                except Exception:
+                    manifest_url = ""
+    elif path:
+        urls = _expand(path)
+    if manifest_url:
+        if is_local(manifest_url) and not os.path.exists(_local_path(manifest_url)):
+            raise FileNotFoundError(f"manifest '{manifest_url}' not found (source '{source.label}')")
+        manifest = parse_manifest(_read_text(manifest_url), manifest_url)
+        shards = _shards_from_manifest(manifest, _dirname(manifest_url), urls, manifest_url)
+    else:
+        assert urls is not None
+        warnings.warn(f"source '{path}': no manifest found; indexing {len(urls)} shard(s) by a full read "
+                      "(pass `manifest:` to skip this)", stacklevel=2)
+        shards = [index_shard(u) for u in urls]
+    for shard in shards:
+        if is_local(shard.url) and not os.path.exists(_local_path(shard.url)):
+            raise FileNotFoundError(f"shard '{shard.url}' listed for source '{source.label}' does not exist; "
+                                    "restore it or rebuild the shard set")
+    result = ShardSet(label=source.label, weight=source.weight, shards=shards)
+    if result.num_samples == 0:
+        raise ValueError(f"source '{source.label}' ({where}) has zero samples; remove it or rebuild it")
+    return result
+
+
+def _open_stream(url: str, offset: int):
+    if is_local(url):
+        f = open(_local_path(url), "rb")
+        f.seek(offset)
+        return f
+    from webdataset import gopen
+
+    f = gopen(url, "rb")
+    _discard(f, offset)
+    return f
+
+
+def _discard(f, count: int) -> None:
+    while count > 0:
+        chunk = f.read(min(count, 1 << 20))
+        if not chunk:
+            raise SampleError("truncated_shard", "stream ended while skipping to a sample offset")
+        count -= len(chunk)
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, stop) of the open stream `f` (stop -1: to its end) as a file for tarfile, so
+    a sample's headers are read before its members' data: a member refused from its header is
+    seeked over (a local file) or read through in small chunks and dropped (a stream, which
+    tarfile's streaming mode skips forward by reading), never held whole in memory."""
+
+    def __init__(self, f, start: int, stop: int, seekable: bool):
+        super().__init__()
+        self.f, self.start, self.stop, self._seekable = f, start, stop, seekable
+        self.pos = start  # absolute position of `f`
+        self.short = False  # the stream ended before `stop`
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return self._seekable
+
+    def read(self, n: int | None = -1) -> bytes:
+        """Up to `n` bytes (all that is left when n < 0), straight from `f`: tarfile reads every
+        header and member through here, and RawIOBase's own read() would copy each twice more."""
+        left = -1 if self.stop < 0 else self.stop - self.pos
+        want = left if n is None or n < 0 else (n if left < 0 else min(n, left))
+        if want == 0:
+            return b""
+        data = self.f.read(want)
+        self.pos += len(data)
+        if 0 < want and len(data) < want:
+            self.short = self.stop >= 0
+        return data
+
+    def readinto(self, buf) -> int:
+        data = self.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if not self._seekable:
+            raise io.UnsupportedOperation("seek")
+        base = {io.SEEK_SET: self.start, io.SEEK_CUR: self.pos, io.SEEK_END: self.stop}[whence]
+        self.pos = max(self.start, base + offset)
+        self.f.seek(self.pos)
+        return self.pos - self.start
+
+    def tell(self) -> int:
+        return self.pos - self.start
+
+
+def _members(fileobj, key: str, limits: ReadLimits, where: str, *, stream: bool = False) -> dict[str, bytes]:
+    """The members of sample `key` at the start of `fileobj`, each checked against `limits` from
+    its header before its data is read (tarfile would expand a sparse member's holes, or read a
+    forged size). `stream`: a file that cannot seek (tarfile's streaming mode)."""
+    if isinstance(fileobj, (bytes, bytearray)):
+        fileobj = io.BytesIO(fileobj)
+    members: dict[str, bytes] = {}
+    first = True
+    with tarfile.open(fileobj=fileobj, mode="r|" if stream else "r:") as tf:
+        for member in tf:
+            mkey, suffix = split_member(member.name)
+            if mkey != key:
+                if first:
+                    raise SampleError("manifest_mismatch", f"{where}: the tar holds {mkey!r} at the manifest's offset of "
+                                                           f"{key!r}; run `omniloom data verify` and rebuild the manifest")
+                break  # end-of-archive padding or the next sample: ours is complete
+            first = False
+            refused = member_refusal(member, suffix, limits)
+            if refused is not None:
+                raise SampleError(refused[0], f"{where}: {refused[1]}")
+            if member.isfile():
+                members[suffix] = tf.extractfile(member).read()
+    return members
+
+
+class SampleReader:
+    """Reads samples by (shard, index); keeps one stream open so sequential reads cost no seek."""
+
+    def __init__(self, shards: list[ShardInfo]):
+        self.shards = shards
+        self._url: str | None = None
+        self._f = None
+        self._pos = 0
+
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.close()
+            except Exception:  # a pipe: command that already died: nothing left to release
+                pass
+        self._f, self._url = None, None
+
+    def _stream_at(self, url: str, offset: int):
+        if self._f is not None and self._url == url:
+            if is_local(url):
+                if self._pos != offset:
+                    self._f.seek(offset)
+                self._pos = offset
+                return self._f
+            if self._pos <= offset:
+                _discard(self._f, offset - self._pos)
+                self._pos = offset
+                return self._f
+        self.close()
+        self._f, self._url, self._pos = _open_stream(url, offset), url, offset
+        return self._f
+
+    def read_raw(self, shard_idx: int, sample_idx: int) -> dict[str, bytes]:
+        """The sample's members by suffix (`doc.json`, `img0.jpg`, ...). Raises SampleError."""
+        shard = self.shards[shard_idx]
+        key = shard.keys[sample_idx]
+        start, end = shard.byte_range(sample_idx)
+        if start < 0 or 0 <= end <= start:
+            where = "no byte offset" if start < 0 else f"byte {start}, past the shard's {end} bytes"
+            raise SampleError("bad_offset", f"{shard.url}: the manifest gives sample {sample_idx} ({key}) {where}; "
+                                            "run `omniloom data verify` and rebuild the manifest")
+        local, window, short = is_local(shard.url), None, False
+        try:
+            f = self._stream_at(shard.url, start)
+            # a local file bounds the range by its real size, so a manifest's offset never sizes a read
+            stop = min(end, os.fstat(f.fileno()).st_size) if local and end >= 0 else (
+                os.fstat(f.fileno()).st_size if local else end)
+            window = _Window(f, start, stop, seekable=local)
+            short = local and end >= 0 and stop < end
+            try:
+                members = _members(window, key, shard.limits, f"{shard.url}: sample {sample_idx} ({key})", stream=not local)
+            finally:
+                self._pos = window.pos
+            short = short or window.short
+        except SampleError:
+            self.close()
+            raise
+        except (tarfile.TarError, EOFError, ValueError, OverflowError) as err:  # tarfile's pax/sparse parsers raise ValueError
+            self.close()
+            if short or (window is not None and window.short):  # a shard that ends before the manifest says it does, inside this sample
+                raise SampleError("truncated_shard", f"{shard.url}: sample {sample_idx} ({key}) is cut short: the shard ends "
+                                                     f"before byte {end}, where the manifest says it ends") from err
+            raise SampleError("corrupt_tar", f"{shard.url}: sample {sample_idx} ({key}): {err}") from err
+        except OSError as err:
+            self.close()
+            raise SampleError("unreadable_shard", f"{shard.url}: {err}") from err
+        if short:
+            self.close()
+        return members
+
+    def read_document(self, shard_idx: int, sample_idx: int) -> tuple[dict, dict[str, bytes]]:
+        """(doc_json, media bytes by ref) for one sample; raises SampleError with a skip reason."""
+        members = self.read_raw(shard_idx, sample_idx)
+        raw = members.pop("doc.json", None)
+        if raw is None:
+            raise SampleError("missing_doc_json", f"sample {self.shards[shard_idx].keys[sample_idx]} has no doc.json")
+        try:
+            doc = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise SampleError("bad_doc_json", f"{self.shards[shard_idx].keys[sample_idx]}: {err}") from err
+        except RecursionError:  # a hostile doc.json of a few KB nested past Python's recursion limit
+            raise SampleError("bad_doc_json", f"{self.shards[shard_idx].keys[sample_idx]}: doc.json is nested too deeply "
+                                              "to parse (no document the build writes is)") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("segments"), list) or not doc["segments"]:
+            raise SampleError("bad_doc_json", f"{self.shards[shard_idx].keys[sample_idx]}: no segments list")
+        for seg in doc["segments"]:
+            ref = seg.get("ref") if isinstance(seg, dict) else None
+            if ref is not None and (not isinstance(ref, str) or ref not in members):
+                raise SampleError("missing_media", f"{self.shards[shard_idx].keys[sample_idx]}: no member '{ref}'")
+        return doc, members
