@@ -85,16 +85,23 @@ class Unit:
     code: str = ""
     reason: str = ""
     label: str = ""  # the source's name in `meta.source` and keys: its folder name, made unique
+    sample: str = ""  # kind wds: the sample's WebDataset key in the tar `rel` (line: its ordinal)
+    meta_sidecar: str = ""  # a STEM.json beside a medium whose caption is STEM.txt: its meta
+    payload: object = field(default=None, compare=False, repr=False)  # a compressed input's bytes (foreign.PayloadFiller)
+
+    @property
+    def _where(self) -> str:
+        return f"#{self.sample}" if self.sample else (f":{self.line}" if self.line else "")
 
     @property
     def uid(self) -> str:
-        return f"{self.label}/{self.rel}" + (f":{self.line}" if self.line else "")
+        return f"{self.label}/{self.rel}{self._where}"
 
     @property
     def display(self) -> str:
         """The path as a person finds it: the SOURCE as given joined with the relative path."""
         base = self.source if os.path.isdir(self.source) else os.path.dirname(self.source)
-        return os.path.join(base, self.rel) + (f":{self.line}" if self.line else "")
+        return os.path.join(base, self.rel) + self._where
 
     @property
     def key(self) -> str:
@@ -109,13 +116,20 @@ class IngestSettings:
     text: TextPolicy = field(default_factory=TextPolicy)
     limits: MediaLimits = field(default_factory=MediaLimits)
     on_bad_media: str = "drop-segment"
+    caption_first: bool = False  # a sidecar or tar-member caption before its media instead of after
+    animated: str = "video"  # an animated GIF/APNG/WebP: a video document, or "first-frame": an image
+    text_field: str = "text"  # the text of a text-corpus JSONL record (textcorpus.parse_record)
 
     def __post_init__(self):
         if self.on_bad_media not in ("drop-segment", "drop-doc"):
             raise ValueError(f"--on-bad-media must be drop-segment or drop-doc, got {self.on_bad_media!r}")
+        if self.animated not in ("video", "first-frame"):
+            raise ValueError(f"--animated-images must be video or first-frame, got {self.animated!r}")
 
     def to_dict(self) -> dict:
-        return {"text": asdict(self.text), "limits": asdict(self.limits), "on_bad_media": self.on_bad_media}
+        extra = {k: v for k, v, d in (("caption_first", self.caption_first, False), ("animated", self.animated, "video"),
+                                      ("text_field", self.text_field, "text")) if v != d}  # absent by default: older builds resume
+        return {"text": asdict(self.text), "limits": asdict(self.limits), "on_bad_media": self.on_bad_media, **extra}
 
 
 # --- discovery -------------------------------------------------------------------------------
@@ -149,7 +163,9 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
 
     seen_real: dict[str, str] = {}
     labels = Counter()
-    for source in sources:
+    from .foreign import expand_sources
+
+    for source in expand_sources(sources):
         if not os.path.exists(source) and not os.path.islink(source):
             raise FileNotFoundError(f"source {source} does not exist; pass folders or files to build from")
         real = os.path.realpath(source)
@@ -188,22 +204,36 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
             root = os.path.dirname(os.path.abspath(source))
             files = [os.path.basename(source)]
         units.extend(_units_for_files(source, root, sorted(files), standalone_referenced, max_text_bytes,
-                                      undeclared_encoding))
+                                      undeclared_encoding, skipped))
         units[first:] = [replace(u, label=label) for u in units[first:]]
-    if skipped:
+    if describe_skipped(skipped):
         log.info("skipped %s (--include-hidden builds them)", describe_skipped(skipped))
     units.sort(key=lambda u: (u.source, u.rel, u.line))
     return units
 
 
 def describe_skipped(skipped: Counter) -> str:
-    """'N hidden and M cache files/folders (...)' for discover's `skipped` counts."""
+    """'N hidden and M cache files/folders (...)' for discover's `skipped` counts (the other
+    skips, e.g. an earlier build's manifest, are `describe_other_skips`)."""
     parts = [f"{skipped[k]} {k}" for k in ("hidden", "cache") if skipped.get(k)]
-    return f"{' and '.join(parts)} files/folders (names starting with '.', __pycache__, .pyc/.pyo)"
+    return f"{' and '.join(parts)} files/folders (names starting with '.', __pycache__, .pyc/.pyo)" if parts else ""
+
+
+SKIP_WHY = {"earlier-build": "an earlier omniloom build's manifest.json / rejects.jsonl",
+            "shard-metadata": "img2dataset/video2dataset NNNNN_stats.json / NNNNN.parquet beside NNNNN.tar"}
+
+
+def describe_other_skips(skipped: Counter) -> str:
+    return ", ".join(f"{skipped[k]} {k} ({why})" for k, why in SKIP_WHY.items() if skipped.get(k))
 
 
 def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool, max_text_bytes: int,
-                     undeclared_encoding: str = "detect") -> list[Unit]:
+                     undeclared_encoding: str = "detect", skipped: Counter | None = None) -> list[Unit]:
+    from .foreign import is_tar_name, tar_units
+    from .sniff import earlier_build_file, probe_media, shard_metadata_file
+    from .textcorpus import is_jsonl_name, split_compression
+
+    skipped = Counter() if skipped is None else skipped
     fileset = set(files)
     units: list[Unit] = []
     referenced: set[str] = set()
@@ -222,16 +252,37 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
             except Reject as rej:
                 units.append(Unit(source=source, root=root, rel=rel, kind="reject", code=rej.code, reason=rej.reason))
                 continue
-        if ext in IMAGE_EXT or ext in VIDEO_EXT and not (ext == ".ts" and _looks_like_text(full)):
-            side = next((stem + s for s in (".txt", ".json") if stem + s in fileset), "")
-            media_units.append(Unit(source=source, root=root, rel=rel, kind="image" if ext in IMAGE_EXT else "video", sidecar=side))
-        elif ext in HTML_EXT:
-            units.append(Unit(source=source, root=root, rel=rel, kind="html"))
-            referenced |= _html_refs(root, full, max_text_bytes, undeclared_encoding)
-        elif ext in JSONL_EXT:
+        sides = [stem + s for s in (".txt", ".json") if stem + s in fileset]
+        inner, comp = split_compression(rel)
+        if earlier_build_file(root, rel, fileset) or shard_metadata_file(rel, fileset):
+            skipped["earlier-build" if name in ("manifest.json", "rejects.jsonl") else "shard-metadata"] += 1
+        elif is_tar_name(rel):  # a WebDataset shard: one document per sample, never a video
+            units.extend(tar_units(source, root, rel))
+        elif is_jsonl_name(rel):
             line_units, refs = _jsonl_units(source, root, rel, max_text_bytes)
             units.extend(line_units)
             referenced |= refs
+        elif comp:
+            iext = os.path.splitext(inner)[1].lower()
+            lang = CODE_NAMES.get(os.path.basename(inner)) or CODE_EXT.get(iext)
+            if iext in PROSE_EXT or lang:
+                units.append(Unit(source=source, root=root, rel=rel, kind="text" if iext in PROSE_EXT else "code", lang=lang or ""))
+            else:
+                units.append(Unit(source=source, root=root, rel=rel, kind="reject", code="unsupported",
+                                  reason=f"compressed {iext or 'file'}: compressed inputs are read when they are JSONL (.jsonl, .json, "
+                                         ".ndjson), text, code or tar shards; decompress it to build its content"))
+        elif (ext in IMAGE_EXT or ext in VIDEO_EXT and not (ext == ".ts" and _looks_like_text(full))
+              or sides and ext not in PROSE_EXT | JSONL_EXT | HTML_EXT | set(CODE_EXT) and (probed := probe_media(full))):
+            # Media by name, or (with a caption beside it) by what PyAV finds in it: its caption stays its caption.
+            kind = "image" if ext in IMAGE_EXT else "video"
+            if not (ext in IMAGE_EXT or ext in VIDEO_EXT):
+                kind = probed
+                skipped["probed-" + kind] += 1
+            media_units.append(Unit(source=source, root=root, rel=rel, kind=kind, sidecar=sides[0] if sides else "",
+                                    meta_sidecar=sides[1] if len(sides) > 1 else ""))
+        elif ext in HTML_EXT:
+            units.append(Unit(source=source, root=root, rel=rel, kind="html"))
+            referenced |= _html_refs(root, full, max_text_bytes, undeclared_encoding)
         elif name in CODE_NAMES:
             units.append(Unit(source=source, root=root, rel=rel, kind="code", lang=CODE_NAMES[name]))
         elif ext in PROSE_EXT:
@@ -247,7 +298,7 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
             # reported rather than silently lost.
             unused_sidecars.add(u.sidecar)
             continue
-        sidecars.add(u.sidecar)
+        sidecars |= {u.sidecar, u.meta_sidecar}
         units.append(u)
     # Sidecars are captions, not documents of their own.
     units = [u for u in units if u.rel not in sidecars and u.rel not in unused_sidecars]
@@ -340,11 +391,23 @@ def _jsonl_units(source: str, root: str, rel: str, limit: int) -> tuple[list[Uni
     units, refs = [], set()
     base = os.path.dirname(full)
     try:
-        f = open(full, "rb")
-    except OSError as err:
-        return [Unit(source=source, root=root, rel=rel, kind="reject", code="unreadable", reason=f"cannot open JSONL file: {err.strerror}")], refs
+        from .textcorpus import open_input
+
+        f = open_input(full)
+    except (OSError, Reject) as err:
+        why = err.reason if isinstance(err, Reject) else err.strerror
+        return [Unit(source=source, root=root, rel=rel, kind="reject", code="unreadable", reason=f"cannot open JSONL file: {why}")], refs
     with f:
-        for lineno, offset, length, raw in _iter_lines(f, limit):
+        lines = _iter_lines(f, limit)
+        while True:
+            try:
+                lineno, offset, length, raw = next(lines)
+            except StopIteration:
+                break
+            except Exception as err:  # noqa: BLE001 - gzip, lzma, zstd errors: the lines before are kept
+                units.append(Unit(source=source, root=root, rel=rel, kind="reject", code="corrupt-compressed",
+                                  reason=f"stops decompressing after {len(units)} lines ({type(err).__name__}: {err}); re-download it"))
+                break
             if raw is None:
                 units.append(Unit(source=source, root=root, rel=rel, kind="reject", line=lineno, offset=offset, length=length, code="too-large",
                                   reason=f"JSONL line {lineno} is {length} bytes, above --max-text-bytes {limit}; it was skipped without being loaded"))
@@ -364,11 +427,13 @@ def _jsonl_units(source: str, root: str, rel: str, limit: int) -> tuple[list[Uni
 def process_unit(unit: Unit, settings: IngestSettings) -> dict:
     """Turn `unit` into {"key", "doc" (dict or None), "members" [(suffix, bytes)], "fingerprint",
     "rejects" [dict], "stats"}. Never raises for bad input: every problem becomes a reject."""
-    out = {"key": unit.key, "doc": None, "members": [], "fingerprint": "", "rejects": [], "stats": {}}
+    out = {"key": unit.key, "doc": None, "members": [], "fingerprint": "", "rejects": [], "stats": {}, "notes": Counter()}
     try:
         if unit.kind == "reject":
             raise Reject(unit.code, unit.reason)
-        segments, meta = _load_unit(unit, settings, out["rejects"])
+        if isinstance(unit.payload, Reject):  # a compressed input that could not be read this far
+            raise unit.payload
+        segments, meta = _load_unit(unit, settings, out["rejects"], out["notes"])
         _finish(unit, segments, meta, settings, out)
     except Reject as rej:
         out["doc"], out["members"] = None, []
@@ -381,6 +446,7 @@ def process_unit(unit: Unit, settings: IngestSettings) -> dict:
     # worker, so every JSON the build writes is valid UTF-8 (see validate.printable).
     out["doc"] = json_safe(out["doc"])
     out["rejects"] = json_safe(out["rejects"])
+    out["notes"] = dict(out["notes"])
     return out
 
 
@@ -395,6 +461,10 @@ def _reject(unit: Unit, rej: Reject, *, action: str, segment: int | None = None,
 
 def _read_checked(unit: Unit, rel_or_path: str, *, limit: int, what: str) -> bytes:
     real = real_file_inside(unit.root, os.path.join(unit.root, rel_or_path), what=what)
+    from .textcorpus import read_bounded, split_compression
+
+    if split_compression(real)[1]:
+        return read_bounded(real, limit, what=what)  # decompressed, never more than limit + 1 bytes held
     size = os.path.getsize(real)
     if size > limit:
         raise Reject("too-large", f"{what} is {size} bytes, above the limit {limit}")
@@ -410,9 +480,14 @@ def _read_file(path: str, what: str, offset: int = 0, length: int = -1) -> bytes
         raise Reject("unreadable", f"{what}: cannot read {path}: {err.strerror or err}; fix its permissions") from None
 
 
-def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict], dict]:
+def _load_unit(unit: Unit, st: IngestSettings, rejects: list, notes: Counter) -> tuple[list[dict], dict]:
     meta: dict = {"source": unit.uid}
     k = unit.kind
+    if k == "wds":
+        from .foreign import load_foreign_sample
+
+        return load_foreign_sample(unit, st, notes, meta, lambda data, what, m: _decode(
+            unit, data, st, rejects, m, what=what, ref=unit.sample, prefix="caption_"))
     if k in ("text", "code"):
         data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what=f"{k} file")
         text = _decode(unit, data, st, rejects, meta, what=f"{k} file")
@@ -426,10 +501,13 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
             try:
                 caption, side_meta = _read_sidecar(unit, st, rejects, meta)
                 meta["caption_source"] = unit.sidecar
+                if unit.meta_sidecar:  # STEM.txt is the caption and STEM.json the meta, never a code document
+                    side_meta = _read_sidecar(replace(unit, sidecar=unit.meta_sidecar), st, rejects, meta)[1]
+                    notes["sidecar-json-meta"] += 1
                 if side_meta:
                     meta["sidecar"] = side_meta
                 if caption:
-                    segments.append({"type": "text", "text": caption})
+                    segments.insert(0 if st.caption_first else len(segments), {"type": "text", "text": caption})
             except Reject as rej:
                 rejects.append(_reject(unit, rej, action="dropped-caption", ref=unit.sidecar))
         return segments, meta
@@ -443,7 +521,7 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         real = real_file_inside(unit.root, os.path.join(unit.root, unit.rel), what="JSONL file")
         if unit.length > st.text.max_bytes:  # discovery rejects these; a file grown since is caught here
             raise Reject("too-large", f"JSONL line {unit.line} is {unit.length} bytes, above --max-text-bytes {st.text.max_bytes}")
-        raw = _read_file(real, "JSONL file", unit.offset, unit.length)
+        raw = unit.payload if unit.payload is not None else _read_file(real, "JSONL file", unit.offset, unit.length)
         line = decode_text(raw, st.text, what=f"JSONL line {unit.line}", strict_utf8=True)  # JSON is UTF-8
         try:
             obj, nulled = loads_finite(line)
@@ -451,7 +529,9 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
             raise Reject("bad-json", f"line {unit.line} is not valid JSON ({err.msg} at column {err.colno}); fix or remove the line") from None
         if nulled:
             rejects.append(_reject(unit, _nonfinite(nulled, f"line {unit.line}"), action="nulled-values"))
-        segments, rec_meta = parse_input_document(obj)
+        from .textcorpus import parse_record
+
+        segments, rec_meta = parse_record(obj, st.text_field)
         for i, seg in enumerate(segments):
             if seg["type"] in ("text", "code"):
                 seg["text"] = check_unicode_text(seg["text"], st.text, what=f"line {unit.line} segment {i}")
@@ -509,6 +589,10 @@ def _load_media(unit: Unit, seg: dict, st: IngestSettings) -> bytes:
     kind = seg["type"]
     limit = st.limits.max_image_bytes if kind == "image" else st.limits.max_video_bytes
     path = seg["path"]
+    if "_data" in seg:  # a tar member, read by foreign.py within its limit
+        from .foreign import member_data
+
+        return member_data(seg, limit, "--max-image-bytes" if kind == "image" else "--max-video-bytes")
     if path.startswith("data:"):
         head, _, payload = path.partition(",")
         if not head.endswith(";base64"):
@@ -544,17 +628,23 @@ def _finish(unit: Unit, segments: list[dict], meta: dict, st: IngestSettings, ou
             final.append(seg)
             digests.append(segment_fingerprint(kind, seg["text"]))
             continue
+        out["notes"][f"media-refs:{kind}"] += 1  # against the kept count: a kind with every reference dropped is reported
         try:
             data = _load_media(unit, seg, st)
             if kind == "video" and still_image_format(data) is not None:
                 kind = "image"  # a still image is an image whichever decoder reads it, never a one-frame video
             if kind == "image":
                 data, info = validate_still(data, st.limits)  # PNG bytes for a still PIL cannot read
+                if info.get("frames", 1) > 1:
+                    from .sniff import decide_animated
+
+                    data, info, kind = decide_animated(data, info, st, out["notes"])
             else:
                 info = validate_video(data, st.limits)
         except Reject as rej:
             if seg.get("_standalone"):
                 if unit.kind == "other" and rej.code == "not-a-video":
+                    out["notes"][f"media-refs:{seg['type']}"] -= 1  # not media at all: an unsupported file
                     ext = os.path.splitext(unit.rel)[1] or "(none)"
                     raise Reject("unsupported", f"unsupported file type {ext}: not prose, code, image, HTML or JSONL, and PyAV cannot open it as a video") from None
                 raise
@@ -564,7 +654,7 @@ def _finish(unit: Unit, segments: list[dict], meta: dict, st: IngestSettings, ou
             continue
         src_ext = os.path.splitext(seg["path"])[1].lower().lstrip(".")
         ext = info.pop("ext")
-        if kind == "video" and src_ext and src_ext.isalnum() and not seg["path"].startswith("data:"):
+        if kind == "video" and src_ext and src_ext.isalnum() and not seg["path"].startswith("data:") and "animated_from" not in info:
             ext = src_ext  # keep the original container's name (webm stays webm)
         ref = f"{'img' if kind == 'image' else 'vid'}{counters[kind]}.{ext}"
         counters[kind] += 1
