@@ -20,6 +20,7 @@ members up to `SMALL_MEMBER` bytes), so a hostile header cannot size an allocati
 from __future__ import annotations
 
 import json
+import os
 import re
 import tarfile
 from collections import Counter
@@ -147,7 +148,15 @@ def _groups(tf: tarfile.TarFile, read: Callable[[tarfile.TarInfo, str], "bytes |
     only after the key is known to continue the current sample, so the member after a sample is
     never read."""
     cur = None
-    for ti in _members(tf):
+    members = _members(tf)
+    while True:
+        try:
+            ti = next(members)
+        except StopIteration:
+            break
+        except Exception as err:
+            err.pending = cur  # the sample being read when the tar broke: scan_tar keeps it when its data is all there
+            raise
         key, ext = split_key(ti.name)
         if key is None:
             continue
@@ -185,6 +194,10 @@ def scan_tar(path: str) -> tuple[list[FoundSample], str]:
     except Reject as rej:
         return found, rej.reason
     except Exception as err:  # noqa: BLE001 - tarfile, gzip, lzma and zstd errors alike: a corrupt input
+        cur = getattr(err, "pending", None)
+        # A header that breaks after a sample whose data ends inside the file: that sample is whole.
+        if cur is not None and not compressed and cur[2] <= os.path.getsize(path):
+            found.append(FoundSample(cur[0], len(found) + 1, cur[1], cur[2] - cur[1], sum(s for _, _, s in cur[3])))
         return found, f"{type(err).__name__}: {err}"
     return found, ""
 
@@ -238,6 +251,9 @@ def read_sample_at(path: str, offset: int, limits: ReadLimits) -> tuple[str, Mem
             for key, _, _, members in _groups(tf, lambda ti, ext: read(ti, ext, tf)):
                 return key, [(e, v) for e, v, _ in members]
     except (tarfile.TarError, EOFError) as err:
+        cur = getattr(err, "pending", None)
+        if cur is not None:  # the tar breaks after this sample, whose members were all read whole
+            return cur[0], [(e, v) for e, v, _ in cur[3]]
         raise Reject("corrupt-tar", f"the tar does not parse at byte {offset} ({err}); re-download or rewrite the shard") from None
     except OSError as err:
         raise Reject("unreadable", f"cannot read {path}: {err.strerror or err}; fix its permissions") from None

@@ -268,12 +268,16 @@ def test_bad_tars_are_counted_rejects_not_crashes(tmp_path, capsys):
         for i in range(3):
             w.write({"__key__": f"{i:03d}", "png": _image("PNG", i), "txt": f"caption {i}"})
     data = (src / "good.tar").read_bytes()
-    (src / "cut.tar").write_bytes(data[: 512 * 9])  # truncated inside the third sample
+    third = scan_tar(str(src / "good.tar"))[0][2].offset
+    (src / "cut.tar").write_bytes(data[: third + 1024])  # truncated inside the third sample
     (src / "junk.tar.gz").write_bytes(b"\x1f\x8b\x08\x00 not really gzip")
     (src / "huge.tar").write_bytes(_tar_with_member("k.png", 10 << 20))
     assert main(["build", str(src), "--out", str(tmp_path / "out"), "--max-image-bytes", "1M", "--progress-seconds", "0"]) == 0
-    codes = sorted(r["code"] for r in _rejects(tmp_path / "out"))
-    assert "corrupt-tar" in codes and "too-large" in codes, codes
+    rejects = _rejects(tmp_path / "out")
+    codes = sorted(r["code"] for r in rejects)
+    assert codes == ["corrupt-tar", "corrupt-tar", "duplicate", "duplicate", "too-large"], codes
+    cut = next(r for r in rejects if r["path"].endswith("cut.tar"))
+    assert "after 2 samples" in cut["reason"] and "re-download" in cut["reason"]
     docs = _documents(tmp_path / "out")
     assert len(docs) == 3  # good.tar's three; cut.tar's complete samples are duplicates of them
 
