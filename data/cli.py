@@ -185,6 +185,10 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--workers", default="1,2", help="comma-separated worker counts; the first is the reference (default 1,2)")
     p.add_argument("--image-size", type=int, default=384, help="width of generated images in pixels (default 384)")
     p.add_argument("--keep", metavar="DIR", help="generate and build under DIR and keep it (default: a temp folder, removed)")
+    p.add_argument("--foreign", action="store_true", help="instead: build docs/s from WebDataset shards (img2dataset layout) and a "
+                   ".jsonl.zst corpus against reading them with webdataset (decode rgb8) and zstandard+json alone, in the same run")
+    p.add_argument("--samples", type=int, default=600, help="with --foreign: shard samples to generate (default 600)")
+    p.add_argument("--records", type=int, default=20000, help="with --foreign: text records to generate (default 20000)")
     p.set_defaults(func=_bench)
     from . import stream_bench
 
@@ -337,6 +341,11 @@ def _bench(args) -> int:
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     if not workers or min(workers) < 1:
         raise ValueError(f"--workers must be a comma-separated list of positive ints, got {args.workers!r}")
+    if args.foreign:
+        from .foreign_bench import run_foreign_bench
+
+        print(run_foreign_bench(samples=args.samples, records=args.records, image_size=args.image_size, workers=workers[0], keep=args.keep))
+        return 0
     print(run_bench(docs=args.docs, workers=workers, image_size=args.image_size, keep=args.keep))
     return 0
 
