@@ -17,7 +17,8 @@ inputs:
     .txt .md .rst              -> text documents
     .py .c .cpp .rs .go .java .js .ts .sh .sql .yaml .json .toml ... -> code documents (language by extension)
     .jpg .png .webp .gif .bmp .tiff .ppm .pgm .pbm .xbm .sgi .ras .tga .ico .pcx .qoi .exr
-                               -> image documents; a sidecar STEM.txt / STEM.json is the caption
+                               -> image documents; a sidecar STEM.txt is the caption, STEM.json the meta
+                                  (and the caption from its caption/text key when there is no STEM.txt)
                                   (.exr and other stills PIL cannot read are stored as PNG)
     .mp4 .webm .mkv .mov .avi ... and anything else PyAV opens -> video documents (same sidecars);
                                   a file PyAV opens as one still image is an image document
@@ -278,7 +279,8 @@ def format_summary(out: str, s: dict) -> str:
     if decided:  # what was decided about inputs that could be read more than one way (docs/data-format.md)
         lines.append("notes: " + ", ".join(f"{k} {v}" for k, v in sorted(decided.items())))
     if s.get("skipped"):
-        from .ingest import describe_other_skips, describe_skipped
+        from .ingest import describe_skipped
+        from .sniff import describe_other_skips
 
         if describe_skipped(s["skipped"]):
             lines.append(f"skipped: {describe_skipped(s['skipped'])}; --include-hidden builds them")

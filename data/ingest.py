@@ -219,19 +219,11 @@ def describe_skipped(skipped: Counter) -> str:
     return f"{' and '.join(parts)} files/folders (names starting with '.', __pycache__, .pyc/.pyo)" if parts else ""
 
 
-SKIP_WHY = {"earlier-build": "an earlier omniloom build's manifest.json / rejects.jsonl",
-            "shard-metadata": "img2dataset/video2dataset NNNNN_stats.json / NNNNN.parquet beside NNNNN.tar"}
-
-
-def describe_other_skips(skipped: Counter) -> str:
-    return ", ".join(f"{skipped[k]} {k} ({why})" for k, why in SKIP_WHY.items() if skipped.get(k))
-
-
 def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool, max_text_bytes: int,
                      undeclared_encoding: str = "detect", skipped: Counter | None = None) -> list[Unit]:
     from .foreign import is_tar_name, tar_units
     from .sniff import earlier_build_file, probe_media, shard_metadata_file
-    from .textcorpus import is_jsonl_name, split_compression
+    from .textcorpus import compressed_file_unit, is_jsonl_name, split_compression
 
     skipped = Counter() if skipped is None else skipped
     fileset = set(files)
@@ -253,7 +245,7 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
                 units.append(Unit(source=source, root=root, rel=rel, kind="reject", code=rej.code, reason=rej.reason))
                 continue
         sides = [stem + s for s in (".txt", ".json") if stem + s in fileset]
-        inner, comp = split_compression(rel)
+        comp = split_compression(rel)[1]
         if earlier_build_file(root, rel, fileset) or shard_metadata_file(rel, fileset):
             skipped["earlier-build" if name in ("manifest.json", "rejects.jsonl") else "shard-metadata"] += 1
         elif is_tar_name(rel):  # a WebDataset shard: one document per sample, never a video
@@ -263,14 +255,7 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
             units.extend(line_units)
             referenced |= refs
         elif comp:
-            iext = os.path.splitext(inner)[1].lower()
-            lang = CODE_NAMES.get(os.path.basename(inner)) or CODE_EXT.get(iext)
-            if iext in PROSE_EXT or lang:
-                units.append(Unit(source=source, root=root, rel=rel, kind="text" if iext in PROSE_EXT else "code", lang=lang or ""))
-            else:
-                units.append(Unit(source=source, root=root, rel=rel, kind="reject", code="unsupported",
-                                  reason=f"compressed {iext or 'file'}: compressed inputs are read when they are JSONL (.jsonl, .json, "
-                                         ".ndjson), text, code or tar shards; decompress it to build its content"))
+            units.append(compressed_file_unit(source, root, rel))
         elif (ext in IMAGE_EXT or ext in VIDEO_EXT and not (ext == ".ts" and _looks_like_text(full))
               or sides and ext not in PROSE_EXT | JSONL_EXT | HTML_EXT | set(CODE_EXT) and (probed := probe_media(full))):
             # Media by name, or (with a caption beside it) by what PyAV finds in it: its caption stays its caption.

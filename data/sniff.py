@@ -23,6 +23,13 @@ from .media import MediaLimits, validate_video
 from .validate import Reject
 
 _REJECT_KEYS = {"path", "code", "reason", "action"}
+SKIP_WHY = {"earlier-build": "an earlier omniloom build's manifest.json / rejects.jsonl",
+            "shard-metadata": "img2dataset/video2dataset NNNNN_stats.json / NNNNN.parquet beside NNNNN.tar"}
+
+
+def describe_other_skips(skipped) -> str:
+    """The summary's words for the discovery skips this module decides (counts in `skipped`)."""
+    return ", ".join(f"{skipped[k]} {k} ({why})" for k, why in SKIP_WHY.items() if skipped.get(k))
 
 
 def earlier_build_file(root: str, rel: str, fileset: set[str]) -> bool:

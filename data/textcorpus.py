@@ -88,6 +88,22 @@ def read_bounded(path: str, limit: int, *, what: str) -> bytes:
     return data
 
 
+def compressed_file_unit(source: str, root: str, rel: str):
+    """Discovery's unit for a compressed file that is neither JSONL nor a tar: a text or code
+    document (`x.txt.gz`, `x.py.zst`), read decompressed within --max-text-bytes, or a reject
+    that says to decompress it."""
+    from .ingest import CODE_EXT, CODE_NAMES, PROSE_EXT, Unit
+
+    inner = split_compression(rel)[0]
+    ext = os.path.splitext(inner)[1].lower()
+    lang = CODE_NAMES.get(os.path.basename(inner)) or CODE_EXT.get(ext)
+    if ext in PROSE_EXT or lang:
+        return Unit(source=source, root=root, rel=rel, kind="text" if ext in PROSE_EXT else "code", lang="" if ext in PROSE_EXT else lang)
+    return Unit(source=source, root=root, rel=rel, kind="reject", code="unsupported",
+                reason=f"compressed {ext or 'file'}: compressed inputs are read when they are JSONL (.jsonl, .json, .ndjson), "
+                       "text, code or tar shards; decompress it to build its content")
+
+
 # Programming languages a corpus record may name, lower case -> the `lang` of the code segment.
 _LANG_ALIASES = {"c++": "cpp", "c#": "csharp", "js": "javascript", "py": "python", "golang": "go", "shell script": "shell",
                  "bash": "shell", "jupyter": "python", "html": "html", "tex": "tex", "latex": "tex", "fortran": "fortran",
