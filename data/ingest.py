@@ -281,7 +281,7 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
         if not standalone_referenced and _real(os.path.join(root, u.rel)) in referenced:
             # The page or record that shows this media carries its own text; the caption file is
             # reported rather than silently lost.
-            unused_sidecars.add(u.sidecar)
+            unused_sidecars |= {u.sidecar, u.meta_sidecar} - {""}
             continue
         sidecars |= {u.sidecar, u.meta_sidecar}
         units.append(u)
@@ -486,15 +486,18 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list, notes: Counter) ->
             try:
                 caption, side_meta = _read_sidecar(unit, st, rejects, meta)
                 meta["caption_source"] = unit.sidecar
-                if unit.meta_sidecar:  # STEM.txt is the caption and STEM.json the meta, never a code document
-                    side_meta = _read_sidecar(replace(unit, sidecar=unit.meta_sidecar), st, rejects, meta)[1]
-                    notes["sidecar-json-meta"] += 1
                 if side_meta:
                     meta["sidecar"] = side_meta
                 if caption:
                     segments.insert(0 if st.caption_first else len(segments), {"type": "text", "text": caption})
             except Reject as rej:
                 rejects.append(_reject(unit, rej, action="dropped-caption", ref=unit.sidecar))
+        if unit.meta_sidecar:  # STEM.txt is the caption and STEM.json the meta, never a code document
+            try:
+                meta["sidecar"] = _read_sidecar(replace(unit, sidecar=unit.meta_sidecar), st, rejects, meta)[1]
+                notes["sidecar-json-meta"] += 1
+            except Reject as rej:
+                rejects.append(_reject(unit, rej, action="dropped-meta", ref=unit.meta_sidecar))
         return segments, meta
     if k == "html":
         data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what="HTML page")

@@ -93,6 +93,13 @@ def test_a_sidecar_json_beside_a_medium_is_its_meta_not_a_code_document(tmp_path
     doc = docs["00000/000000001.jpg"]
     assert doc["segments"][1] == {"type": "text", "text": "a caption 1"} and doc["meta"]["sidecar"]["url"] == "https://x/1.jpg"
     assert "code 0" in out and "sidecar-json-meta 2" in out
+    # a broken STEM.json costs only the meta: the caption and the image stay, the problem is a reject line
+    (src / "000000001.json").write_text("{not json")
+    rc, out, _ = _build(capsys, tmp_path / "src", "--out", tmp_path / "out2")
+    doc = _docs(tmp_path / "out2")["00000/000000001.jpg"]
+    assert rc == 0 and doc["segments"][1] == {"type": "text", "text": "a caption 1"} and "sidecar" not in doc["meta"]
+    rej = [json.loads(line) for line in (tmp_path / "out2" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["code"], r["action"], r["ref"]) for r in rej] == [("bad-json", "dropped-meta", "00000/000000001.json")]
 
 
 def test_an_earlier_builds_manifest_and_rejects_are_skipped_and_counted(tmp_path, capsys):
