@@ -17,14 +17,31 @@ inputs:
     .txt .md .rst              -> text documents
     .py .c .cpp .rs .go .java .js .ts .sh .sql .yaml .json .toml ... -> code documents (language by extension)
     .jpg .png .webp .gif .bmp .tiff .ppm .pgm .pbm .xbm .sgi .ras .tga .ico .pcx .qoi .exr
-                               -> image documents; a sidecar STEM.txt / STEM.json is the caption
+                               -> image documents; a sidecar STEM.txt is the caption, STEM.json the meta
+                                  (and the caption from its caption/text key when there is no STEM.txt)
                                   (.exr and other stills PIL cannot read are stored as PNG)
     .mp4 .webm .mkv .mov .avi ... and anything else PyAV opens -> video documents (same sidecars);
                                   a file PyAV opens as one still image is an image document
     .html                      -> one interleaved document: text blocks and local <img>/<video> in order
-    .jsonl                     -> one document per line: {"schema":1,"segments":[...]} or OBELICS
-                                  {"texts":[...],"images":[...]}; media paths relative to the JSONL file
-                                  (both layouts and the shard format: docs/data-format.md in the repository)
+    .jsonl .ndjson             -> one document per line: {"schema":1,"segments":[...]}, OBELICS
+                                  {"texts":[...],"images":[...]} (media paths relative to the JSONL file), or a
+                                  text-corpus record {"text": ..., other keys -> meta} (Dolma, RedPajama, FineWeb;
+                                  --text-field NAME for another key; a "lang"/"ext"/"path" naming a programming
+                                  language makes it code); layouts: docs/data-format.md in the repository
+    .jsonl.gz .json.gz .jsonl.zst .jsonl.bz2 .jsonl.xz (any of .gz .zst .bz2 .xz), .txt.gz, .py.zst, ...
+                               -> decompressed as they are read (streamed; a .json.gz is JSONL)
+    .tar .tar.gz .tgz .tar.zst -> WebDataset shards (img2dataset, video2dataset, webdataset.TarWriter): one
+                                  document per sample; key = member path up to the first dot of its base name:
+                                  jpg/png/webp/... -> image, mp4/webm/... -> video, txt/text/caption -> caption
+                                  (after the media; --caption-first), json -> meta (its "caption"/"text" the
+                                  caption when there is no text member; an OBELICS texts/images json with its
+                                  images as members -> one interleaved document), cls and small text members ->
+                                  meta, anything else counted as unmapped:EXT; a tar is never a video.
+                                  Patterns: 'shard-{000000..000099}.tar' (quote it)
+  an animated GIF / APNG / WebP is a video document (--animated-images first-frame keeps it an image).
+  STEM.txt beside a medium is its caption and STEM.json its meta; a file PyAV opens as a video is a
+  video with its sidecar whatever its extension. An earlier build's manifest.json / rejects.jsonl and
+  img2dataset's NNNNN_stats.json / NNNNN.parquet beside NNNNN.tar are skipped and counted.
   media that an HTML page or JSONL record references is not also made a standalone document
   (--standalone-referenced changes that; otherwise its caption sidecar is listed in rejects.jsonl).
 
@@ -52,7 +69,10 @@ Interrupted (even kill -9)? Run the same command again: it resumes after the las
 Many machines? Run `--part I/N --out DIR_I` for I = 0..N-1, then `omniloom data merge DIR_* --out DIR`
 (merge drops duplicates across parts, so the result holds what one build would; with --shuffle each
 part is shuffled on its own, and the copy of a duplicate kept may differ from one build's).
-A build locks DIR (a second build into it is refused), and exits 2 if it wrote no documents.
+A build locks DIR (a second build into it is refused), and exits 2 if it wrote no documents, and 3 if
+every image or every video its inputs referenced was dropped (--allow-dropped-media accepts that).
+The summary counts each decision taken on the inputs (notes: unmapped members, captions taken from
+json, animated images made videos, files probed as video) and skips (an earlier build's files).
 """
 
 
@@ -87,6 +107,12 @@ def register(sub) -> None:
                         "(all images, then all videos) otherwise give each training rank long runs of one kind, as a rank "
                         "reads a contiguous range of the shards (default: input order)")
     b.add_argument("--no-dedup", action="store_true", help="keep exact duplicate documents")
+    b.add_argument("--caption-first", action="store_true", help="put a caption (STEM.txt sidecar, a shard sample's txt member) before its media instead of after")
+    b.add_argument("--animated-images", choices=("video", "first-frame"), default="video",
+                   help="an animated GIF/APNG/WebP becomes a video document (default) or stays an image, whose first frame training reads")
+    b.add_argument("--text-field", default="text", metavar="NAME", help="the text of a text-corpus JSONL record (default: text; The Stack: content)")
+    b.add_argument("--allow-dropped-media", action="store_true", help="exit 0 even when every image or every video reference was dropped "
+                   "(by default such a build exits 3: its captions would train without their media)")
     b.add_argument("--standalone-referenced", action="store_true", help="also make media referenced by HTML/JSONL documents standalone image/video documents")
     b.add_argument("--bad-utf8", choices=("reject", "replace"), default="reject", help="text that is not valid UTF-8: reject the file (default) or replace bad bytes with U+FFFD")
     b.add_argument("--undeclared-encoding", choices=("detect", "utf-8"), default="detect",
@@ -160,8 +186,12 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--workers", default="1,2", help="comma-separated worker counts; the first is the reference (default 1,2)")
     p.add_argument("--image-size", type=int, default=384, help="width of generated images in pixels (default 384)")
     p.add_argument("--keep", metavar="DIR", help="generate and build under DIR and keep it (default: a temp folder, removed)")
+    p.add_argument("--foreign", action="store_true", help="instead: build docs/s from WebDataset shards (img2dataset layout) and a "
+                   ".jsonl.zst corpus against reading them with webdataset (decode rgb8) and zstandard+json alone, in the same run")
+    p.add_argument("--samples", type=int, default=600, help="with --foreign: shard samples to generate (default 600)")
+    p.add_argument("--records", type=int, default=20000, help="with --foreign: text records to generate (default 20000)")
     p.set_defaults(func=_bench)
-    from .stream import stream_bench
+    from omniloom.data.stream.loader import stream_bench
 
     p = bench_sub.add_parser("stream", help="stream tokens/s, best-fit vs sequential padding, restore vs replay",
                              description=(stream_bench.__doc__ or "").strip().split("\n\n")[0] or None)
@@ -174,7 +204,7 @@ def _progress(args) -> bool:
 
 
 def _build(args) -> int:
-    from omniloom.data.prep.ingest import IngestSettings
+    from omniloom.data.prep.units import IngestSettings
     from omniloom.data.prep.media import MediaLimits
     from omniloom.data.prep.shards import build, parse_part
     from omniloom.data.prep.validate import TextPolicy
@@ -186,7 +216,7 @@ def _build(args) -> int:
             max_image_bytes=args.max_image_bytes, min_video_seconds=args.min_video_seconds, max_video_seconds=args.max_video_seconds,
             min_video_side=args.min_video_side, max_video_side=args.max_video_side, max_video_bytes=args.max_video_bytes,
         ),
-        on_bad_media=args.on_bad_media,
+        on_bad_media=args.on_bad_media, caption_first=args.caption_first, animated=args.animated_images, text_field=args.text_field,
     )
     summary = build(
         args.sources, args.out, name=args.name, workers=args.workers, part=parse_part(args.part),
@@ -207,7 +237,21 @@ def _build(args) -> int:
         print(f"omniloom: error: the build wrote no documents (every input was rejected or a duplicate, or none was found); "
               f"see {args.out}/rejects.jsonl", file=sys.stderr)
         return 2
+    lost = dropped_media_kinds(summary)
+    if lost:
+        refs = summary.get("notes", {})
+        print(f"omniloom: error: every {' and every '.join(lost)} reference was dropped ("
+              + ", ".join(f"{refs.get('media-refs:' + k, 0)} {k}s, 0 kept" for k in lost)
+              + f"); see the reasons in {args.out}/rejects.jsonl, or pass --allow-dropped-media to accept it",
+              file=sys.stderr if not args.allow_dropped_media else sys.stdout)
+        return 0 if args.allow_dropped_media else 3
     return 0
+
+
+def dropped_media_kinds(summary: dict) -> list[str]:
+    """The media kinds ("image", "video") that the inputs referenced and the build kept none of."""
+    notes, segs = summary.get("notes") or {}, summary.get("segments") or {}
+    return [k for k in ("image", "video") if notes.get(f"media-refs:{k}", 0) > 0 and not segs.get(k)]
 
 
 def format_summary(out: str, s: dict) -> str:
@@ -230,10 +274,18 @@ def format_summary(out: str, s: dict) -> str:
         lines.append("rejected: 0")
     if notes:  # inputs kept, with something done to them (an encoding guessed, NaN nulled)
         lines.append("notices: " + ", ".join(f"{k} {v}" for k, v in notes.items()) + f" (inputs kept; details in {out}/rejects.jsonl)")
+    decided = {k: v for k, v in (s.get("notes") or {}).items() if not k.startswith("media-refs:") and v}
+    decided.update({k: v for k, v in (s.get("skipped") or {}).items() if k.startswith("probed-")})
+    if decided:  # what was decided about inputs that could be read more than one way (docs/data-format.md)
+        lines.append("notes: " + ", ".join(f"{k} {v}" for k, v in sorted(decided.items())))
     if s.get("skipped"):
         from omniloom.data.prep.ingest import describe_skipped
+        from omniloom.data.prep.sniff import describe_other_skips
 
-        lines.append(f"skipped: {describe_skipped(s['skipped'])}; --include-hidden builds them")
+        if describe_skipped(s["skipped"]):
+            lines.append(f"skipped: {describe_skipped(s['skipped'])}; --include-hidden builds them")
+        if describe_other_skips(s["skipped"]):
+            lines.append(f"skipped: {describe_other_skips(s['skipped'])}")
     return "\n".join(lines)
 
 
@@ -291,6 +343,11 @@ def _bench(args) -> int:
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     if not workers or min(workers) < 1:
         raise ValueError(f"--workers must be a comma-separated list of positive ints, got {args.workers!r}")
+    if args.foreign:
+        from omniloom.data.prep.foreign_bench import run_foreign_bench
+
+        print(run_foreign_bench(samples=args.samples, records=args.records, image_size=args.image_size, workers=workers[0], keep=args.keep))
+        return 0
     print(run_bench(docs=args.docs, workers=workers, image_size=args.image_size, keep=args.keep))
     return 0
 

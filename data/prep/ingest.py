@@ -12,15 +12,31 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 import logging
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 
+from .foreign import expand_sources, is_tar_name, load_foreign_sample, member_data, tar_units
 from .html_doc import extract_html, local_refs
-from .media import MediaLimits, still_image_format, validate_still, validate_video
+from .media import still_image_format, validate_still, validate_video
+from .sniff import decide_animated, earlier_build_file, probe_media, shard_metadata_file
+from .textcorpus import compressed_file_unit, is_jsonl_name, open_input, parse_record, read_bounded, split_compression
+from .units import (
+    CACHE_DIRS,
+    CACHE_EXT,
+    CODE_EXT,
+    CODE_NAMES,
+    HTML_EXT,
+    IMAGE_EXT,
+    JSONL_EXT,
+    PROSE_EXT,
+    VIDEO_EXT,
+    IngestSettings,
+    Unit,
+    iter_lines,
+)
 from .validate import (
     Reject,
     TextPolicy,
@@ -38,25 +54,6 @@ from .validate import (
 
 log = logging.getLogger(__name__)
 
-PROSE_EXT = {".txt", ".md", ".markdown", ".rst", ".text"}
-IMAGE_EXT = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm", ".xbm",
-             ".sgi", ".ras", ".tga", ".ico", ".pcx", ".qoi", ".exr"}
-VIDEO_EXT = {".mp4", ".m4v", ".webm", ".mkv", ".mov", ".avi", ".flv", ".ts", ".mpg", ".mpeg", ".ogv", ".3gp", ".wmv"}
-HTML_EXT = {".html", ".htm", ".xhtml"}
-JSONL_EXT = {".jsonl", ".ndjson"}
-CODE_EXT = {
-    ".py": "python", ".pyi": "python", ".c": "c", ".h": "c", ".cc": "cpp", ".cpp": "cpp", ".cxx": "cpp",
-    ".hpp": "cpp", ".hh": "cpp", ".hxx": "cpp", ".cu": "cuda", ".rs": "rust", ".go": "go", ".java": "java",
-    ".kt": "kotlin", ".scala": "scala", ".js": "javascript", ".mjs": "javascript", ".cjs": "javascript",
-    ".jsx": "javascript", ".ts": "typescript", ".tsx": "typescript", ".sh": "shell", ".bash": "shell",
-    ".zsh": "shell", ".sql": "sql", ".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml",
-    ".rb": "ruby", ".php": "php", ".cs": "csharp", ".swift": "swift", ".lua": "lua", ".r": "r", ".jl": "julia",
-    ".hs": "haskell", ".ml": "ocaml", ".css": "css", ".proto": "protobuf", ".cmake": "cmake",
-}
-CODE_NAMES = {"Makefile": "makefile", "Dockerfile": "dockerfile", "CMakeLists.txt": "cmake"}
-# Caches a walk skips like hidden names (discover: include_hidden): compiled Python is never a document.
-CACHE_DIRS = {"__pycache__"}
-CACHE_EXT = {".pyc", ".pyo"}
 # Note: ".ts" is TypeScript unless its head is an MPEG transport stream (see _looks_like_text).
 _TS_PACKET = 188
 _TS_SNIFF_PACKETS = 5
@@ -65,57 +62,6 @@ CAPTION_KEYS = ("caption", "text", "alt", "title", "description")
 # rejects.jsonl codes whose input is not dropped: the line records what was done to it (its
 # `action`), and the build summary lists them apart from the rejections.
 NOTICE_CODES = ("encoding-detected", "non-finite-number")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Unit:
-    """One input that becomes at most one document. `kind` is text, code, image, video, html,
-    jsonl (one line), other (unknown extension: tried as a video) or reject (found bad during
-    discovery)."""
-
-    source: str  # the SOURCE argument as given
-    root: str  # absolute root the unit's media must stay inside
-    rel: str  # path relative to root, '/'-separated
-    kind: str
-    lang: str = ""
-    sidecar: str = ""
-    line: int = 0
-    offset: int = 0
-    length: int = 0
-    code: str = ""
-    reason: str = ""
-    label: str = ""  # the source's name in `meta.source` and keys: its folder name, made unique
-
-    @property
-    def uid(self) -> str:
-        return f"{self.label}/{self.rel}" + (f":{self.line}" if self.line else "")
-
-    @property
-    def display(self) -> str:
-        """The path as a person finds it: the SOURCE as given joined with the relative path."""
-        base = self.source if os.path.isdir(self.source) else os.path.dirname(self.source)
-        return os.path.join(base, self.rel) + (f":{self.line}" if self.line else "")
-
-    @property
-    def key(self) -> str:
-        """Sample key: stable digest of the unit's identity (no dots; unique across parts)."""
-        return hashlib.sha1(self.uid.encode("utf-8", "surrogatepass")).hexdigest()[:20]
-
-
-@dataclass(frozen=True, kw_only=True)
-class IngestSettings:
-    """What a worker needs to process units (picklable)."""
-
-    text: TextPolicy = field(default_factory=TextPolicy)
-    limits: MediaLimits = field(default_factory=MediaLimits)
-    on_bad_media: str = "drop-segment"
-
-    def __post_init__(self):
-        if self.on_bad_media not in ("drop-segment", "drop-doc"):
-            raise ValueError(f"--on-bad-media must be drop-segment or drop-doc, got {self.on_bad_media!r}")
-
-    def to_dict(self) -> dict:
-        return {"text": asdict(self.text), "limits": asdict(self.limits), "on_bad_media": self.on_bad_media}
 
 
 # --- discovery -------------------------------------------------------------------------------
@@ -149,7 +95,7 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
 
     seen_real: dict[str, str] = {}
     labels = Counter()
-    for source in sources:
+    for source in expand_sources(sources):
         if not os.path.exists(source) and not os.path.islink(source):
             raise FileNotFoundError(f"source {source} does not exist; pass folders or files to build from")
         real = os.path.realpath(source)
@@ -188,22 +134,24 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
             root = os.path.dirname(os.path.abspath(source))
             files = [os.path.basename(source)]
         units.extend(_units_for_files(source, root, sorted(files), standalone_referenced, max_text_bytes,
-                                      undeclared_encoding))
+                                      undeclared_encoding, skipped))
         units[first:] = [replace(u, label=label) for u in units[first:]]
-    if skipped:
+    if describe_skipped(skipped):
         log.info("skipped %s (--include-hidden builds them)", describe_skipped(skipped))
     units.sort(key=lambda u: (u.source, u.rel, u.line))
     return units
 
 
 def describe_skipped(skipped: Counter) -> str:
-    """'N hidden and M cache files/folders (...)' for discover's `skipped` counts."""
+    """'N hidden and M cache files/folders (...)' for discover's `skipped` counts (the other
+    skips, e.g. an earlier build's manifest, are `describe_other_skips`)."""
     parts = [f"{skipped[k]} {k}" for k in ("hidden", "cache") if skipped.get(k)]
-    return f"{' and '.join(parts)} files/folders (names starting with '.', __pycache__, .pyc/.pyo)"
+    return f"{' and '.join(parts)} files/folders (names starting with '.', __pycache__, .pyc/.pyo)" if parts else ""
 
 
 def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool, max_text_bytes: int,
-                     undeclared_encoding: str = "detect") -> list[Unit]:
+                     undeclared_encoding: str = "detect", skipped: Counter | None = None) -> list[Unit]:
+    skipped = Counter() if skipped is None else skipped
     fileset = set(files)
     units: list[Unit] = []
     referenced: set[str] = set()
@@ -222,16 +170,30 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
             except Reject as rej:
                 units.append(Unit(source=source, root=root, rel=rel, kind="reject", code=rej.code, reason=rej.reason))
                 continue
-        if ext in IMAGE_EXT or ext in VIDEO_EXT and not (ext == ".ts" and _looks_like_text(full)):
-            side = next((stem + s for s in (".txt", ".json") if stem + s in fileset), "")
-            media_units.append(Unit(source=source, root=root, rel=rel, kind="image" if ext in IMAGE_EXT else "video", sidecar=side))
-        elif ext in HTML_EXT:
-            units.append(Unit(source=source, root=root, rel=rel, kind="html"))
-            referenced |= _html_refs(root, full, max_text_bytes, undeclared_encoding)
-        elif ext in JSONL_EXT:
+        sides = [stem + s for s in (".txt", ".json") if stem + s in fileset]
+        comp = split_compression(rel)[1]
+        if earlier_build_file(root, rel, fileset) or shard_metadata_file(rel, fileset):
+            skipped["earlier-build" if name in ("manifest.json", "rejects.jsonl") else "shard-metadata"] += 1
+        elif is_tar_name(rel):  # a WebDataset shard: one document per sample, never a video
+            units.extend(tar_units(source, root, rel))
+        elif is_jsonl_name(rel):
             line_units, refs = _jsonl_units(source, root, rel, max_text_bytes)
             units.extend(line_units)
             referenced |= refs
+        elif comp:
+            units.append(compressed_file_unit(source, root, rel))
+        elif (ext in IMAGE_EXT or ext in VIDEO_EXT and not (ext == ".ts" and _looks_like_text(full))
+              or sides and ext not in PROSE_EXT | JSONL_EXT | HTML_EXT | set(CODE_EXT) and (probed := probe_media(full))):
+            # Media by name, or (with a caption beside it) by what PyAV finds in it: its caption stays its caption.
+            kind = "image" if ext in IMAGE_EXT else "video"
+            if not (ext in IMAGE_EXT or ext in VIDEO_EXT):
+                kind = probed
+                skipped["probed-" + kind] += 1
+            media_units.append(Unit(source=source, root=root, rel=rel, kind=kind, sidecar=sides[0] if sides else "",
+                                    meta_sidecar=sides[1] if len(sides) > 1 else ""))
+        elif ext in HTML_EXT:
+            units.append(Unit(source=source, root=root, rel=rel, kind="html"))
+            referenced |= _html_refs(root, full, max_text_bytes, undeclared_encoding)
         elif name in CODE_NAMES:
             units.append(Unit(source=source, root=root, rel=rel, kind="code", lang=CODE_NAMES[name]))
         elif ext in PROSE_EXT:
@@ -245,9 +207,9 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
         if not standalone_referenced and _real(os.path.join(root, u.rel)) in referenced:
             # The page or record that shows this media carries its own text; the caption file is
             # reported rather than silently lost.
-            unused_sidecars.add(u.sidecar)
+            unused_sidecars |= {u.sidecar, u.meta_sidecar} - {""}
             continue
-        sidecars.add(u.sidecar)
+        sidecars |= {u.sidecar, u.meta_sidecar}
         units.append(u)
     # Sidecars are captions, not documents of their own.
     units = [u for u in units if u.rel not in sidecars and u.rel not in unused_sidecars]
@@ -306,45 +268,26 @@ def _html_refs(root: str, full: str, limit: int, undeclared_encoding: str = "det
     return {_real(os.path.join(base, r)) for r in local_refs(segments) if not r.startswith("data:")} - {""}
 
 
-_CHUNK = 1 << 20
-
-
-def _iter_lines(f, limit: int):
-    """Yield (line number, byte offset, byte length, raw bytes or None) for each line of the binary
-    file `f`, reading it in chunks. A line longer than `limit` bytes (its newline included) yields
-    None instead of its bytes, and is never held whole: memory stays at a chunk plus `limit`."""
-    lineno, start, length, buf, too_long = 1, 0, 0, bytearray(), False
-    while True:
-        chunk = f.read(_CHUNK)
-        if not chunk:
-            break
-        pos = 0
-        while pos < len(chunk):
-            nl = chunk.find(b"\n", pos)
-            end = len(chunk) if nl < 0 else nl + 1
-            length += end - pos
-            if not too_long:
-                buf += chunk[pos:end]
-                if len(buf) > limit:
-                    too_long, buf = True, bytearray()
-            pos = end
-            if nl >= 0:
-                yield lineno, start, length, None if too_long else bytes(buf)
-                lineno, start, length, buf, too_long = lineno + 1, start + length, 0, bytearray(), False
-    if length:
-        yield lineno, start, length, None if too_long else bytes(buf)
-
-
 def _jsonl_units(source: str, root: str, rel: str, limit: int) -> tuple[list[Unit], set[str]]:
     full = os.path.join(root, rel)
     units, refs = [], set()
     base = os.path.dirname(full)
     try:
-        f = open(full, "rb")
-    except OSError as err:
-        return [Unit(source=source, root=root, rel=rel, kind="reject", code="unreadable", reason=f"cannot open JSONL file: {err.strerror}")], refs
+        f = open_input(full)
+    except (OSError, Reject) as err:
+        why = err.reason if isinstance(err, Reject) else err.strerror
+        return [Unit(source=source, root=root, rel=rel, kind="reject", code="unreadable", reason=f"cannot open JSONL file: {why}")], refs
     with f:
-        for lineno, offset, length, raw in _iter_lines(f, limit):
+        lines = iter_lines(f, limit)
+        while True:
+            try:
+                lineno, offset, length, raw = next(lines)
+            except StopIteration:
+                break
+            except Exception as err:  # noqa: BLE001 - gzip, lzma, zstd errors: the lines before are kept
+                units.append(Unit(source=source, root=root, rel=rel, kind="reject", code="corrupt-compressed",
+                                  reason=f"stops decompressing after {len(units)} lines ({type(err).__name__}: {err}); re-download it"))
+                break
             if raw is None:
                 units.append(Unit(source=source, root=root, rel=rel, kind="reject", line=lineno, offset=offset, length=length, code="too-large",
                                   reason=f"JSONL line {lineno} is {length} bytes, above --max-text-bytes {limit}; it was skipped without being loaded"))
@@ -364,11 +307,13 @@ def _jsonl_units(source: str, root: str, rel: str, limit: int) -> tuple[list[Uni
 def process_unit(unit: Unit, settings: IngestSettings) -> dict:
     """Turn `unit` into {"key", "doc" (dict or None), "members" [(suffix, bytes)], "fingerprint",
     "rejects" [dict], "stats"}. Never raises for bad input: every problem becomes a reject."""
-    out = {"key": unit.key, "doc": None, "members": [], "fingerprint": "", "rejects": [], "stats": {}}
+    out = {"key": unit.key, "doc": None, "members": [], "fingerprint": "", "rejects": [], "stats": {}, "notes": Counter()}
     try:
         if unit.kind == "reject":
             raise Reject(unit.code, unit.reason)
-        segments, meta = _load_unit(unit, settings, out["rejects"])
+        if isinstance(unit.payload, Reject):  # a compressed input that could not be read this far
+            raise unit.payload
+        segments, meta = _load_unit(unit, settings, out["rejects"], out["notes"])
         _finish(unit, segments, meta, settings, out)
     except Reject as rej:
         out["doc"], out["members"] = None, []
@@ -381,6 +326,7 @@ def process_unit(unit: Unit, settings: IngestSettings) -> dict:
     # worker, so every JSON the build writes is valid UTF-8 (see validate.printable).
     out["doc"] = json_safe(out["doc"])
     out["rejects"] = json_safe(out["rejects"])
+    out["notes"] = dict(out["notes"])
     return out
 
 
@@ -395,6 +341,8 @@ def _reject(unit: Unit, rej: Reject, *, action: str, segment: int | None = None,
 
 def _read_checked(unit: Unit, rel_or_path: str, *, limit: int, what: str) -> bytes:
     real = real_file_inside(unit.root, os.path.join(unit.root, rel_or_path), what=what)
+    if split_compression(real)[1]:
+        return read_bounded(real, limit, what=what)  # decompressed, never more than limit + 1 bytes held
     size = os.path.getsize(real)
     if size > limit:
         raise Reject("too-large", f"{what} is {size} bytes, above the limit {limit}")
@@ -410,9 +358,12 @@ def _read_file(path: str, what: str, offset: int = 0, length: int = -1) -> bytes
         raise Reject("unreadable", f"{what}: cannot read {path}: {err.strerror or err}; fix its permissions") from None
 
 
-def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict], dict]:
+def _load_unit(unit: Unit, st: IngestSettings, rejects: list, notes: Counter) -> tuple[list[dict], dict]:
     meta: dict = {"source": unit.uid}
     k = unit.kind
+    if k == "wds":
+        return load_foreign_sample(unit, st, notes, meta, lambda data, what, m: _decode(
+            unit, data, st, rejects, m, what=what, ref=unit.sample, prefix="caption_"))
     if k in ("text", "code"):
         data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what=f"{k} file")
         text = _decode(unit, data, st, rejects, meta, what=f"{k} file")
@@ -429,9 +380,15 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
                 if side_meta:
                     meta["sidecar"] = side_meta
                 if caption:
-                    segments.append({"type": "text", "text": caption})
+                    segments.insert(0 if st.caption_first else len(segments), {"type": "text", "text": caption})
             except Reject as rej:
                 rejects.append(_reject(unit, rej, action="dropped-caption", ref=unit.sidecar))
+        if unit.meta_sidecar:  # STEM.txt is the caption and STEM.json the meta, never a code document
+            try:
+                meta["sidecar"] = _read_sidecar(replace(unit, sidecar=unit.meta_sidecar), st, rejects, meta)[1]
+                notes["sidecar-json-meta"] += 1
+            except Reject as rej:
+                rejects.append(_reject(unit, rej, action="dropped-meta", ref=unit.meta_sidecar))
         return segments, meta
     if k == "html":
         data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what="HTML page")
@@ -443,7 +400,7 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
         real = real_file_inside(unit.root, os.path.join(unit.root, unit.rel), what="JSONL file")
         if unit.length > st.text.max_bytes:  # discovery rejects these; a file grown since is caught here
             raise Reject("too-large", f"JSONL line {unit.line} is {unit.length} bytes, above --max-text-bytes {st.text.max_bytes}")
-        raw = _read_file(real, "JSONL file", unit.offset, unit.length)
+        raw = unit.payload if unit.payload is not None else _read_file(real, "JSONL file", unit.offset, unit.length)
         line = decode_text(raw, st.text, what=f"JSONL line {unit.line}", strict_utf8=True)  # JSON is UTF-8
         try:
             obj, nulled = loads_finite(line)
@@ -451,7 +408,7 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list) -> tuple[list[dict
             raise Reject("bad-json", f"line {unit.line} is not valid JSON ({err.msg} at column {err.colno}); fix or remove the line") from None
         if nulled:
             rejects.append(_reject(unit, _nonfinite(nulled, f"line {unit.line}"), action="nulled-values"))
-        segments, rec_meta = parse_input_document(obj)
+        segments, rec_meta = parse_record(obj, st.text_field)
         for i, seg in enumerate(segments):
             if seg["type"] in ("text", "code"):
                 seg["text"] = check_unicode_text(seg["text"], st.text, what=f"line {unit.line} segment {i}")
@@ -509,6 +466,8 @@ def _load_media(unit: Unit, seg: dict, st: IngestSettings) -> bytes:
     kind = seg["type"]
     limit = st.limits.max_image_bytes if kind == "image" else st.limits.max_video_bytes
     path = seg["path"]
+    if "_data" in seg:  # a tar member, read by foreign.py within its limit
+        return member_data(seg, limit, "--max-image-bytes" if kind == "image" else "--max-video-bytes")
     if path.startswith("data:"):
         head, _, payload = path.partition(",")
         if not head.endswith(";base64"):
@@ -544,17 +503,21 @@ def _finish(unit: Unit, segments: list[dict], meta: dict, st: IngestSettings, ou
             final.append(seg)
             digests.append(segment_fingerprint(kind, seg["text"]))
             continue
+        out["notes"][f"media-refs:{kind}"] += 1  # against the kept count: a kind with every reference dropped is reported
         try:
             data = _load_media(unit, seg, st)
             if kind == "video" and still_image_format(data) is not None:
                 kind = "image"  # a still image is an image whichever decoder reads it, never a one-frame video
             if kind == "image":
                 data, info = validate_still(data, st.limits)  # PNG bytes for a still PIL cannot read
+                if info.get("frames", 1) > 1:
+                    data, info, kind = decide_animated(data, info, st, out["notes"])
             else:
                 info = validate_video(data, st.limits)
         except Reject as rej:
             if seg.get("_standalone"):
                 if unit.kind == "other" and rej.code == "not-a-video":
+                    out["notes"][f"media-refs:{seg['type']}"] -= 1  # not media at all: an unsupported file
                     ext = os.path.splitext(unit.rel)[1] or "(none)"
                     raise Reject("unsupported", f"unsupported file type {ext}: not prose, code, image, HTML or JSONL, and PyAV cannot open it as a video") from None
                 raise
@@ -564,7 +527,7 @@ def _finish(unit: Unit, segments: list[dict], meta: dict, st: IngestSettings, ou
             continue
         src_ext = os.path.splitext(seg["path"])[1].lower().lstrip(".")
         ext = info.pop("ext")
-        if kind == "video" and src_ext and src_ext.isalnum() and not seg["path"].startswith("data:"):
+        if kind == "video" and src_ext and src_ext.isalnum() and not seg["path"].startswith("data:") and "animated_from" not in info:
             ext = src_ext  # keep the original container's name (webm stays webm)
         ref = f"{'img' if kind == 'image' else 'vid'}{counters[kind]}.{ext}"
         counters[kind] += 1

@@ -33,7 +33,8 @@ from omniloom.data.manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir
 from omniloom.data.outlock import OutputLock
 from omniloom.data.progress import bar_wanted, hms
 
-from .ingest import IngestSettings, Unit, discover, process_unit
+from .ingest import discover, process_unit
+from .units import IngestSettings, Unit
 from .validate import json_safe, printable
 
 log = logging.getLogger(__name__)
@@ -120,35 +121,40 @@ def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, c
     A worker that dies (a decoder segfault, the OOM killer) breaks the pool: the chunk at the head
     is then re-run one unit per single-use process, so the input that crashes becomes a counted
     reject instead of ending the build, and the pool is restarted for the rest."""
+    from .foreign import PayloadFiller
+
+    filler = PayloadFiller(settings)  # compressed inputs are read here, front to back, once
     if workers <= 1:
         for u in units:
-            yield process_unit(u, settings)
+            yield process_unit(filler.fill([u])[0], settings)
         return
 
     def new_pool():
         return ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(settings,))
 
     ex = new_pool()
-    pending: deque = deque()  # (start, end, future)
+    pending: deque = deque()  # (units with their payloads, future)
     pos = 0
     try:
         while pos < len(units) or pending:
             while pos < len(units) and len(pending) < workers * 4:
                 end = min(len(units), pos + chunk)
-                pending.append((pos, end, ex.submit(_process_chunk, units[pos:end])))
+                part = filler.fill(units[pos:end])
+                pending.append((part, ex.submit(_process_chunk, part)))
                 pos = end
-            start, end, fut = pending.popleft()
+            part, fut = pending.popleft()
             try:
                 results = fut.result()
             except BrokenProcessPool:
                 ex.shutdown(wait=True, cancel_futures=True)
-                log.warning("a worker process died; re-running inputs %d..%d one by one to find the culprit", start, end - 1)
-                results = [_isolated(u, settings) for u in units[start:end]]
+                log.warning("a worker process died; re-running inputs %s..%s one by one to find the culprit", part[0].display, part[-1].display)
+                results = [_isolated(u, settings) for u in part]
                 ex = new_pool()
-                pending = deque((s, e, ex.submit(_process_chunk, units[s:e])) for s, e, _ in pending)
+                pending = deque((p, ex.submit(_process_chunk, p)) for p, _ in pending)
             yield from results
     finally:
         ex.shutdown(wait=True, cancel_futures=True)
+        filler.close()
 
 
 def _isolated(unit: Unit, settings: IngestSettings) -> dict:
@@ -256,6 +262,13 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
         order = [j for j, u in enumerate(units) if int(u.key, 16) % part[1] == part[0]]
         units = [units[j] for j in order]
     if shuffle is not None:
+        from .foreign import _streamed
+
+        packed = sorted({u.rel for u in units if _streamed(u)})
+        if packed:
+            raise ValueError(f"--shuffle needs to read inputs in any order, and compressed inputs ({packed[0]}"
+                             f"{f' and {len(packed) - 1} more' if len(packed) > 1 else ''}) can only be read front to back: "
+                             "decompress them first (gunzip / zstd -d / xz -d keep the format), or build without --shuffle")
         perm = shuffled_units(units, shuffle)
         units = [units[j] for j in perm]
         if order is not None:
@@ -325,6 +338,7 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
                     state.fingerprints[res["fingerprint"]] = res["key"]
                 state.add_stats(res)
             state.rejects.extend(rejects)
+            state.notes.update(res.get("notes") or {})
         if writer is not None:
             _close_shard(writer, out, journal, state, end=len(units))
         elif len(units) > state.start:  # trailing inputs that were all rejected
@@ -349,6 +363,7 @@ class _Span:
         self.fingerprints: dict[str, str] = {}
         self.segments = Counter()
         self.media_bytes = Counter()
+        self.notes = Counter()  # decisions counted by ingest (unmapped members, animated images, media references)
 
     def add_stats(self, res: dict) -> None:
         self.segments.update(res["stats"]["segments"])
@@ -362,6 +377,7 @@ class _Span:
             "media_bytes": dict(self.media_bytes),
             "rejects": self.rejects,
             "fingerprints": self.fingerprints,
+            "notes": dict(self.notes),
         }
 
 
@@ -386,7 +402,7 @@ def _units_digest(units: list[Unit]) -> str:
     h = hashlib.sha256()
     for u in units:
         try:
-            size = os.path.getsize(os.path.join(u.root, u.rel)) if u.kind != "jsonl" else u.length
+            size = os.path.getsize(os.path.join(u.root, u.rel)) if u.kind not in ("jsonl", "wds") else u.length
         except OSError:
             size = -1
         h.update(f"{u.uid}\t{u.kind}\t{u.sidecar}\t{size}\n".encode("utf-8", "surrogatepass"))
@@ -456,12 +472,13 @@ def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed
     with open(path, encoding="utf-8") as f:
         records = [json.loads(line) for line in f.read().splitlines()[1:] if line]
     shards = [r["shard"] for r in records if r["shard"]]
-    segments, media, codes = Counter(), Counter(), Counter()
+    segments, media, codes, notes = Counter(), Counter(), Counter(), Counter()
     tmp = os.path.join(out, REJECTS + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for r in records:
             segments.update(r["segments"])
             media.update(r["media_bytes"])
+            notes.update(r.get("notes", {}))
             for rej in r["rejects"]:
                 codes[rej["code"]] += 1
                 f.write(json.dumps(rej, ensure_ascii=False, allow_nan=False) + "\n")
@@ -481,6 +498,7 @@ def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed
         "shards": shards,
         "totals": totals,
         "rejects": {"total": sum(codes.values()), "by_code": dict(sorted(codes.items()))},
+        **({"notes": dict(sorted(notes.items()))} if notes else {}),
         "settings": settings,
         "inputs": _inputs(header),
     }
@@ -497,6 +515,7 @@ def _finalize(out: str, header: dict, settings: dict, seconds: float, *, resumed
         "bytes": totals["bytes"],
         "segments": totals["segments"],
         "rejects": dict(sorted(codes.items())),
+        "notes": dict(sorted(notes.items())),
         "seconds": seconds,
     }
 

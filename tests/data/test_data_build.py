@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from omniloom.data.prep.ingest import IngestSettings
+from omniloom.data.prep.units import IngestSettings
 from omniloom.data.manifest import iter_sample_at, read_manifest
 from omniloom.data.prep.shards import build
 from omniloom.data.prep.synth import make_bad_corpus, make_good_corpus

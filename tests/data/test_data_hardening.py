@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from omniloom.data.prep import validate
-from omniloom.data.prep.ingest import IngestSettings, discover
+from omniloom.data.prep.ingest import discover
+from omniloom.data.prep.units import IngestSettings
 from omniloom.data.manifest import iter_sample_at, read_manifest
 from omniloom.data.prep.shards import build
 from omniloom.data.prep.synth import make_video
