@@ -38,6 +38,13 @@ inputs:
                                   images as members -> one interleaved document), cls and small text members ->
                                   meta, anything else counted as unmapped:EXT; a tar is never a video.
                                   Patterns: 'shard-{000000..000099}.tar' (quote it)
+    .parquet (files, folders)  -> one document per row, as datasets / the Hugging Face Hub write it; columns from
+                                  the file's huggingface features metadata, else Arrow types: Image columns and
+                                  lists of them ({bytes, path}) -> images, the text column (--text-column; else
+                                  text/content/caption/txt) -> caption after the images, or a text/code document
+                                  (FineWeb, The Stack); texts+images lists -> one interleaved document (OBELICS);
+                                  other scalar columns -> meta. An image given only by URL is a remote-ref reject.
+                                  Read one row group at a time. Layout not found? pass --text-column/--image-column
   an animated GIF / APNG / WebP is a video document (--animated-images first-frame keeps it an image).
   STEM.txt beside a medium is its caption and STEM.json its meta; a file PyAV opens as a video is a
   video with its sidecar whatever its extension. An earlier build's manifest.json / rejects.jsonl and
@@ -111,6 +118,10 @@ def register(sub) -> None:
     b.add_argument("--animated-images", choices=("video", "first-frame"), default="video",
                    help="an animated GIF/APNG/WebP becomes a video document (default) or stays an image, whose first frame training reads")
     b.add_argument("--text-field", default="text", metavar="NAME", help="the text of a text-corpus JSONL record (default: text; The Stack: content)")
+    b.add_argument("--text-column", default="", metavar="NAME", help="parquet: the column holding the text or caption "
+                   "(default: from the file: text, content, caption or txt)")
+    b.add_argument("--image-column", action="append", default=[], metavar="NAME", help="parquet: a column holding images "
+                   "(Image structs, bytes, paths, or lists of them); repeat for several (default: the file's Image columns)")
     b.add_argument("--allow-dropped-media", action="store_true", help="exit 0 even when every image or every video reference was dropped "
                    "(by default such a build exits 3: its captions would train without their media)")
     b.add_argument("--standalone-referenced", action="store_true", help="also make media referenced by HTML/JSONL documents standalone image/video documents")
@@ -191,7 +202,7 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--samples", type=int, default=600, help="with --foreign: shard samples to generate (default 600)")
     p.add_argument("--records", type=int, default=20000, help="with --foreign: text records to generate (default 20000)")
     p.set_defaults(func=_bench)
-    from omniloom.data.stream.loader import stream_bench
+    from omniloom.data.stream import stream_bench
 
     p = bench_sub.add_parser("stream", help="stream tokens/s, best-fit vs sequential padding, restore vs replay",
                              description=(stream_bench.__doc__ or "").strip().split("\n\n")[0] or None)
@@ -217,6 +228,7 @@ def _build(args) -> int:
             min_video_side=args.min_video_side, max_video_side=args.max_video_side, max_video_bytes=args.max_video_bytes,
         ),
         on_bad_media=args.on_bad_media, caption_first=args.caption_first, animated=args.animated_images, text_field=args.text_field,
+        text_column=args.text_column, image_columns=tuple(c for a in args.image_column for c in a.split(",") if c),
     )
     summary = build(
         args.sources, args.out, name=args.name, workers=args.workers, part=parse_part(args.part),
