@@ -199,8 +199,10 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--keep", metavar="DIR", help="generate and build under DIR and keep it (default: a temp folder, removed)")
     p.add_argument("--foreign", action="store_true", help="instead: build docs/s from WebDataset shards (img2dataset layout) and a "
                    ".jsonl.zst corpus against reading them with webdataset (decode rgb8) and zstandard+json alone, in the same run")
-    p.add_argument("--samples", type=int, default=600, help="with --foreign: shard samples to generate (default 600)")
-    p.add_argument("--records", type=int, default=20000, help="with --foreign: text records to generate (default 20000)")
+    p.add_argument("--parquet", action="store_true", help="instead: build docs/s from parquet (an Image + caption file and a FineWeb-like "
+                   "text file) against reading the same rows with pyarrow alone (images decoded with PIL), in the same run")
+    p.add_argument("--samples", type=int, default=600, help="with --foreign / --parquet: image samples (rows) to generate (default 600)")
+    p.add_argument("--records", type=int, default=20000, help="with --foreign / --parquet: text records (rows) to generate (default 20000)")
     p.set_defaults(func=_bench)
     from omniloom.data.stream import stream_bench
 
@@ -355,6 +357,11 @@ def _bench(args) -> int:
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     if not workers or min(workers) < 1:
         raise ValueError(f"--workers must be a comma-separated list of positive ints, got {args.workers!r}")
+    if args.parquet:
+        from omniloom.data.prep.parquet_bench import run_parquet_bench
+
+        print(run_parquet_bench(rows=args.samples, text_rows=args.records, image_size=args.image_size, workers=workers[0], keep=args.keep))
+        return 0
     if args.foreign:
         from omniloom.data.prep.foreign_bench import run_foreign_bench
 

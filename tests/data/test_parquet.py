@@ -227,3 +227,27 @@ def test_a_parquet_build_trains(corpus, tmp_path):
 
     rows = [r for r in read_metrics(tmp_path / "run" / METRICS) if "loss" in r]
     assert rows and all(np.isfinite(r["loss"]) for r in rows)
+
+
+def test_path_only_images_are_read_beside_the_file_and_caption_first(tmp_path):
+    src = tmp_path / "src"
+    (src / "imgs").mkdir(parents=True)
+    (src / "imgs" / "a.png").write_bytes(_image(500))
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    table = pa.table({"image": pa.array([{"bytes": None, "path": "imgs/a.png"}, {"bytes": None, "path": None}], struct),
+                      "caption": ["local file", "null image"]})
+    pq.write_table(table, src / "t.parquet")
+    out = tmp_path / "out"
+    s = build([str(src)], str(out), progress=False, ingest=IngestSettings(caption_first=True))
+    docs = _documents(out)
+    doc, members = docs["src/t.parquet:1"]
+    assert [seg["type"] for seg in doc["segments"]] == ["text", "image"] and members[doc["segments"][1]["ref"]] == _image(500)
+    assert [seg["type"] for seg in docs["src/t.parquet:2"][0]["segments"]] == ["text"]  # a null image: counted, caption kept
+    assert s["notes"]["parquet-null-image"] == 1
+
+
+def test_parquet_bench_prints_figures():
+    from omniloom.data.prep.parquet_bench import run_parquet_bench
+
+    report = run_parquet_bench(rows=12, text_rows=40, image_size=64)
+    assert "pyarrow + PIL rgb" in report and report.count("x\n") + report.endswith("x") >= 2 and "documents of" not in report
