@@ -25,7 +25,6 @@ is `line` = 1-based row number in the file, `offset` = row group, `length` = row
 from __future__ import annotations
 
 import datetime
-import decimal
 import json
 import logging
 import math
@@ -243,8 +242,7 @@ def read_row_group(path: str, group: int, text_column: str = "", image_columns: 
 class ParquetFiller:
     """Hands each parquet unit its row (as `(plan, row)`), reading one row group at a time in the
     main process; every other unit goes to `inner` (foreign.PayloadFiller). Units arrive in input
-    order, so each row group is read once (with --shuffle a row group may be read again for a later
-    row: correct, slower)."""
+    order (the build refuses --shuffle for parquet), so each row group is read once."""
 
     def __init__(self, settings, inner):
         self.inner = inner
@@ -284,9 +282,9 @@ def _meta_value(v, notes: Counter):
         return None
     if isinstance(v, (datetime.date, datetime.time)):  # datetime.datetime is a date
         return v.isoformat()
-    if isinstance(v, (decimal.Decimal, datetime.timedelta)):
-        return str(v)
-    return v
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return str(v)  # decimals, durations, intervals: exact as text, and strict JSON whatever pyarrow returns
 
 
 def _media_segment(value, kind: str, name: str) -> dict | None:

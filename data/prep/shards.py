@@ -271,6 +271,11 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
             raise ValueError(f"--shuffle needs to read inputs in any order, and compressed inputs ({packed[0]}"
                              f"{f' and {len(packed) - 1} more' if len(packed) > 1 else ''}) can only be read front to back: "
                              "decompress them first (gunzip / zstd -d / xz -d keep the format), or build without --shuffle")
+        rowgroups = sorted({u.rel for u in units if u.kind == "parquet"})
+        if rowgroups:  # a row group is read whole: in shuffled order each row would read its group again
+            raise ValueError(f"--shuffle reads inputs in any order, and parquet files ({rowgroups[0]}"
+                             f"{f' and {len(rowgroups) - 1} more' if len(rowgroups) > 1 else ''}) are read a row group at a time: "
+                             "build them without --shuffle, or write them shuffled (Dataset.shuffle(seed).to_parquet(...))")
         perm = shuffled_units(units, shuffle)
         units = [units[j] for j in perm]
         if order is not None:

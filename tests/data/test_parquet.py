@@ -251,3 +251,9 @@ def test_parquet_bench_prints_figures():
 
     report = run_parquet_bench(rows=12, text_rows=40, image_size=64)
     assert "pyarrow + PIL rgb" in report and report.count("x\n") + report.endswith("x") >= 2 and "documents of" not in report
+
+
+def test_shuffle_is_refused_for_parquet_in_one_line(corpus, tmp_path):
+    root, _ = corpus
+    with pytest.raises(ValueError, match=r"parquet files \(a.parquet and 1 more\) are read a row group at a time: build them without --shuffle"):
+        build([str(root / "pairs")], str(tmp_path / "out"), progress=False, shuffle=1)
