@@ -38,6 +38,13 @@ inputs:
                                   images as members -> one interleaved document), cls and small text members ->
                                   meta, anything else counted as unmapped:EXT; a tar is never a video.
                                   Patterns: 'shard-{000000..000099}.tar' (quote it)
+    .parquet (files, folders)  -> one document per row, as datasets / the Hugging Face Hub write it; columns from
+                                  the file's huggingface features metadata, else Arrow types: Image columns and
+                                  lists of them ({bytes, path}) -> images, the text column (--text-column; else
+                                  text/content/caption/txt) -> caption after the images, or a text/code document
+                                  (FineWeb, The Stack); texts+images lists -> one interleaved document (OBELICS);
+                                  other scalar columns -> meta. An image given only by URL is a remote-ref reject.
+                                  Read one row group at a time. Layout not found? pass --text-column/--image-column
   an animated GIF / APNG / WebP is a video document (--animated-images first-frame keeps it an image).
   STEM.txt beside a medium is its caption and STEM.json its meta; a file PyAV opens as a video is a
   video with its sidecar whatever its extension. An earlier build's manifest.json / rejects.jsonl and
@@ -111,6 +118,10 @@ def register(sub) -> None:
     b.add_argument("--animated-images", choices=("video", "first-frame"), default="video",
                    help="an animated GIF/APNG/WebP becomes a video document (default) or stays an image, whose first frame training reads")
     b.add_argument("--text-field", default="text", metavar="NAME", help="the text of a text-corpus JSONL record (default: text; The Stack: content)")
+    b.add_argument("--text-column", default="", metavar="NAME", help="parquet: the column holding the text or caption "
+                   "(default: from the file: text, content, caption or txt)")
+    b.add_argument("--image-column", action="append", default=[], metavar="NAME", help="parquet: a column holding images "
+                   "(Image structs, bytes, paths, or lists of them); repeat for several (default: the file's Image columns)")
     b.add_argument("--allow-dropped-media", action="store_true", help="exit 0 even when every image or every video reference was dropped "
                    "(by default such a build exits 3: its captions would train without their media)")
     b.add_argument("--standalone-referenced", action="store_true", help="also make media referenced by HTML/JSONL documents standalone image/video documents")
@@ -188,8 +199,10 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--keep", metavar="DIR", help="generate and build under DIR and keep it (default: a temp folder, removed)")
     p.add_argument("--foreign", action="store_true", help="instead: build docs/s from WebDataset shards (img2dataset layout) and a "
                    ".jsonl.zst corpus against reading them with webdataset (decode rgb8) and zstandard+json alone, in the same run")
-    p.add_argument("--samples", type=int, default=600, help="with --foreign: shard samples to generate (default 600)")
-    p.add_argument("--records", type=int, default=20000, help="with --foreign: text records to generate (default 20000)")
+    p.add_argument("--parquet", action="store_true", help="instead: build docs/s from parquet (an Image + caption file and a FineWeb-like "
+                   "text file) against reading the same rows with pyarrow alone (images decoded with PIL), in the same run")
+    p.add_argument("--samples", type=int, default=600, help="with --foreign / --parquet: image samples (rows) to generate (default 600)")
+    p.add_argument("--records", type=int, default=20000, help="with --foreign / --parquet: text records (rows) to generate (default 20000)")
     p.set_defaults(func=_bench)
     from .stream import stream_bench
 
@@ -217,6 +230,7 @@ def _build(args) -> int:
             min_video_side=args.min_video_side, max_video_side=args.max_video_side, max_video_bytes=args.max_video_bytes,
         ),
         on_bad_media=args.on_bad_media, caption_first=args.caption_first, animated=args.animated_images, text_field=args.text_field,
+        text_column=args.text_column, image_columns=tuple(c for a in args.image_column for c in a.split(",") if c),
     )
     summary = build(
         args.sources, args.out, name=args.name, workers=args.workers, part=parse_part(args.part),
@@ -343,6 +357,11 @@ def _bench(args) -> int:
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     if not workers or min(workers) < 1:
         raise ValueError(f"--workers must be a comma-separated list of positive ints, got {args.workers!r}")
+    if args.parquet:
+        from omniloom.data.prep.parquet_bench import run_parquet_bench
+
+        print(run_parquet_bench(rows=args.samples, text_rows=args.records, image_size=args.image_size, workers=workers[0], keep=args.keep))
+        return 0
     if args.foreign:
         from omniloom.data.prep.foreign_bench import run_foreign_bench
 

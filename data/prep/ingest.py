@@ -21,6 +21,7 @@ from dataclasses import replace
 from .foreign import expand_sources, is_tar_name, load_foreign_sample, member_data, tar_units
 from .html_doc import extract_html, local_refs
 from .media import still_image_format, validate_still, validate_video
+from .parquet import is_parquet_name, load_parquet_row, parquet_units
 from .sniff import decide_animated, earlier_build_file, probe_media, shard_metadata_file
 from .textcorpus import compressed_file_unit, is_jsonl_name, open_input, parse_record, read_bounded, split_compression
 from .units import (
@@ -68,12 +69,14 @@ NOTICE_CODES = ("encoding-detected", "non-finite-number")
 
 
 def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False, max_text_bytes: int = 16 << 20,
-             undeclared_encoding: str = "detect", include_hidden: bool = False, skipped: Counter | None = None) -> list[Unit]:
+             undeclared_encoding: str = "detect", include_hidden: bool = False, skipped: Counter | None = None,
+             parquet_columns: tuple = ("", ())) -> list[Unit]:
     """Walk `sources` (folders, or single files) into units in a deterministic order.
 
     Hidden files and folders (dot-names) and caches (`__pycache__` folders, `.pyc`/`.pyo` files)
     are skipped and counted in `skipped` ("hidden", "cache") unless `include_hidden`; the
-    `exclude` paths (the build's own output) always are. Symlinked folders are not followed (they
+    `exclude` paths (the build's own output) always are. `parquet_columns`: (--text-column,
+    --image-column values) for parquet files. Symlinked folders are not followed (they
     are reported). Media files that an HTML page
     or JSONL record in the same source references are not also made standalone documents unless
     `standalone_referenced`. Memory stays bounded by `max_text_bytes` (--max-text-bytes): JSONL
@@ -134,7 +137,7 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
             root = os.path.dirname(os.path.abspath(source))
             files = [os.path.basename(source)]
         units.extend(_units_for_files(source, root, sorted(files), standalone_referenced, max_text_bytes,
-                                      undeclared_encoding, skipped))
+                                      undeclared_encoding, skipped, parquet_columns))
         units[first:] = [replace(u, label=label) for u in units[first:]]
     if describe_skipped(skipped):
         log.info("skipped %s (--include-hidden builds them)", describe_skipped(skipped))
@@ -150,7 +153,7 @@ def describe_skipped(skipped: Counter) -> str:
 
 
 def _units_for_files(source: str, root: str, files: list[str], standalone_referenced: bool, max_text_bytes: int,
-                     undeclared_encoding: str = "detect", skipped: Counter | None = None) -> list[Unit]:
+                     undeclared_encoding: str = "detect", skipped: Counter | None = None, parquet_columns: tuple = ("", ())) -> list[Unit]:
     skipped = Counter() if skipped is None else skipped
     fileset = set(files)
     units: list[Unit] = []
@@ -176,6 +179,8 @@ def _units_for_files(source: str, root: str, files: list[str], standalone_refere
             skipped["earlier-build" if name in ("manifest.json", "rejects.jsonl") else "shard-metadata"] += 1
         elif is_tar_name(rel):  # a WebDataset shard: one document per sample, never a video
             units.extend(tar_units(source, root, rel))
+        elif is_parquet_name(rel):  # one document per row (parquet.py)
+            units.extend(parquet_units(source, root, rel, *parquet_columns))
         elif is_jsonl_name(rel):
             line_units, refs = _jsonl_units(source, root, rel, max_text_bytes)
             units.extend(line_units)
@@ -364,6 +369,8 @@ def _load_unit(unit: Unit, st: IngestSettings, rejects: list, notes: Counter) ->
     if k == "wds":
         return load_foreign_sample(unit, st, notes, meta, lambda data, what, m: _decode(
             unit, data, st, rejects, m, what=what, ref=unit.sample, prefix="caption_"))
+    if k == "parquet":
+        return load_parquet_row(unit, st, notes, meta)
     if k in ("text", "code"):
         data = _read_checked(unit, unit.rel, limit=st.text.max_bytes, what=f"{k} file")
         text = _decode(unit, data, st, rejects, meta, what=f"{k} file")

@@ -122,8 +122,9 @@ def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, c
     is then re-run one unit per single-use process, so the input that crashes becomes a counted
     reject instead of ending the build, and the pool is restarted for the rest."""
     from .foreign import PayloadFiller
+    from .parquet import ParquetFiller
 
-    filler = PayloadFiller(settings)  # compressed inputs are read here, front to back, once
+    filler = ParquetFiller(settings, PayloadFiller(settings))  # compressed inputs and parquet row groups are read here, once
     if workers <= 1:
         for u in units:
             yield process_unit(filler.fill([u])[0], settings)
@@ -254,7 +255,8 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
     }
     skipped = Counter()
     units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes,
-                     undeclared_encoding=ingest.text.undeclared_encoding, include_hidden=include_hidden, skipped=skipped)
+                     undeclared_encoding=ingest.text.undeclared_encoding, include_hidden=include_hidden, skipped=skipped,
+                     parquet_columns=(ingest.text_column, ingest.image_columns))
     order = None  # part builds: each unit's index in the whole input set, for dedup across parts in `merge`
     whole = None
     if part[1] > 1:
@@ -269,6 +271,11 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
             raise ValueError(f"--shuffle needs to read inputs in any order, and compressed inputs ({packed[0]}"
                              f"{f' and {len(packed) - 1} more' if len(packed) > 1 else ''}) can only be read front to back: "
                              "decompress them first (gunzip / zstd -d / xz -d keep the format), or build without --shuffle")
+        rowgroups = sorted({u.rel for u in units if u.kind == "parquet"})
+        if rowgroups:  # a row group is read whole: in shuffled order each row would read its group again
+            raise ValueError(f"--shuffle reads inputs in any order, and parquet files ({rowgroups[0]}"
+                             f"{f' and {len(rowgroups) - 1} more' if len(rowgroups) > 1 else ''}) are read a row group at a time: "
+                             "build them without --shuffle, or write them shuffled (Dataset.shuffle(seed).to_parquet(...))")
         perm = shuffled_units(units, shuffle)
         units = [units[j] for j in perm]
         if order is not None:

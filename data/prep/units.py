@@ -53,7 +53,7 @@ CACHE_EXT = {".pyc", ".pyo"}
 @dataclass(frozen=True, kw_only=True)
 class Unit:
     """One input that becomes at most one document. `kind` is text, code, image, video, html,
-    jsonl (one line), other (unknown extension: tried as a video) or reject (found bad during
+    jsonl (one line), parquet (one row: parquet.py), wds (a tar sample), other (unknown extension: tried as a video) or reject (found bad during
     discovery)."""
 
     source: str  # the SOURCE argument as given
@@ -102,6 +102,8 @@ class IngestSettings:
     caption_first: bool = False  # a sidecar or tar-member caption before its media instead of after
     animated: str = "video"  # an animated GIF/APNG/WebP: a video document, or "first-frame": an image
     text_field: str = "text"  # the text of a text-corpus JSONL record (textcorpus.parse_record)
+    text_column: str = ""  # parquet: the text column ("": from the file, parquet.plan_columns)
+    image_columns: tuple[str, ...] = ()  # parquet: the image columns (empty: from the file)
 
     def __post_init__(self):
         if self.on_bad_media not in ("drop-segment", "drop-doc"):
@@ -111,7 +113,8 @@ class IngestSettings:
 
     def to_dict(self) -> dict:
         extra = {k: v for k, v, d in (("caption_first", self.caption_first, False), ("animated", self.animated, "video"),
-                                      ("text_field", self.text_field, "text")) if v != d}  # absent by default: older builds resume
+                                      ("text_field", self.text_field, "text"), ("text_column", self.text_column, ""),
+                                      ("image_columns", list(self.image_columns), [])) if v != d}  # absent by default: older builds resume
         return {"text": asdict(self.text), "limits": asdict(self.limits), "on_bad_media": self.on_bad_media, **extra}
 
 
