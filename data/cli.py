@@ -191,7 +191,7 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--samples", type=int, default=600, help="with --foreign: shard samples to generate (default 600)")
     p.add_argument("--records", type=int, default=20000, help="with --foreign: text records to generate (default 20000)")
     p.set_defaults(func=_bench)
-    from omniloom.data.stream.loader import stream_bench
+    from omniloom.data.stream import stream_bench
 
     p = bench_sub.add_parser("stream", help="stream tokens/s, best-fit vs sequential padding, restore vs replay",
                              description=(stream_bench.__doc__ or "").strip().split("\n\n")[0] or None)
