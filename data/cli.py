@@ -168,6 +168,9 @@ def register(sub) -> None:
     v.add_argument("dir", metavar="DIR")
     v.add_argument("--no-media", action="store_true", help="skip decoding images and videos (faster)")
     v.set_defaults(func=_verify)
+    from omniloom.data.prep.index import register_index  # `data index`: foreign shards in place (issue 38)
+
+    register_index(dsub, _size)
 
     try:
         from omniloom.data.prep.demo_corpus import register_demo_corpus
