@@ -290,3 +290,20 @@ def _run(args) -> int:
         print(f"omniloom: error: the index lists no samples; see {args.out}/rejects.jsonl", file=sys.stderr)
         return 2
     return 0
+
+
+def index_vs_tar_tf(shards: list[str], out: str) -> dict:
+    """`data index` seconds per shard (headers only) against `tar -tf` of the same shards, best of 3."""
+    import subprocess
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times) / len(shards)
+
+    ix = best(lambda: index_shards(shards, out, overwrite=True, echo=None))
+    tf = best(lambda: [subprocess.run(["tar", "-tf", s], check=True, capture_output=True) for s in shards])
+    return {"index_s_per_shard": ix, "tar_tf_s_per_shard": tf, "ratio": ix / max(tf, 1e-9)}
