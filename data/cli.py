@@ -179,6 +179,9 @@ def register(sub) -> None:
     v.add_argument("dir", metavar="DIR")
     v.add_argument("--no-media", action="store_true", help="skip decoding images and videos (faster)")
     v.set_defaults(func=_verify)
+    from omniloom.data.prep.index import register_index  # `data index`: foreign shards in place (issue 38)
+
+    register_index(dsub, _size)
 
     try:
         from omniloom.data.prep.demo_corpus import register_demo_corpus
@@ -201,7 +204,9 @@ def register_bench(bench_sub) -> None:
                    ".jsonl.zst corpus against reading them with webdataset (decode rgb8) and zstandard+json alone, in the same run")
     p.add_argument("--parquet", action="store_true", help="instead: build docs/s from parquet (an Image + caption file and a FineWeb-like "
                    "text file) against reading the same rows with pyarrow alone (images decoded with PIL), in the same run")
-    p.add_argument("--samples", type=int, default=600, help="with --foreign / --parquet: image samples (rows) to generate (default 600)")
+    p.add_argument("--index", action="store_true", help="instead: `data index` s/shard against `tar -tf`, and loader samples/s on "
+                   "the indexed shards against webdataset (decode rgb8), 1 worker each, in the same run")
+    p.add_argument("--samples", type=int, default=600, help="with --foreign / --parquet / --index: image samples (rows) to generate (default 600)")
     p.add_argument("--records", type=int, default=20000, help="with --foreign / --parquet: text records (rows) to generate (default 20000)")
     p.set_defaults(func=_bench)
     from .stream import stream_bench
@@ -362,12 +367,39 @@ def _bench(args) -> int:
 
         print(run_parquet_bench(rows=args.samples, text_rows=args.records, image_size=args.image_size, workers=workers[0], keep=args.keep))
         return 0
+    if args.index:
+        return _bench_index(args)
     if args.foreign:
         from omniloom.data.prep.foreign_bench import run_foreign_bench
 
         print(run_foreign_bench(samples=args.samples, records=args.records, image_size=args.image_size, workers=workers[0], keep=args.keep))
         return 0
     print(run_bench(docs=args.docs, workers=workers, image_size=args.image_size, keep=args.keep))
+    return 0
+
+
+def _bench_index(args) -> int:
+    """`bench data --index`: the prep half (index vs tar -tf) and the stream half (loader vs webdataset)."""
+    import os
+    import tempfile
+
+    from omniloom.data.prep.foreign_bench import make_foreign_inputs
+    from omniloom.data.prep.index import index_vs_tar_tf
+    from omniloom.data.stream.index_bench import loader_vs_webdataset
+
+    root = args.keep or tempfile.mkdtemp(prefix="omniloom-index-bench-")
+    made = make_foreign_inputs(root, samples=args.samples, records=1, image_size=args.image_size)
+    out = os.path.join(root, "index")
+    ix = index_vs_tar_tf(made["shards"], out)
+    ld = loader_vs_webdataset(out, made["shards"])
+    print(f"data index: {ix['index_s_per_shard'] * 1e3:.1f} ms/shard, tar -tf {ix['tar_tf_s_per_shard'] * 1e3:.1f} ms/shard "
+          f"({ix['ratio']:.2f}x the time; {len(made['shards'])} shards of {args.samples // len(made['shards'])} {args.image_size}px JPEG samples)")
+    print(f"loader on the index: {ld['loader_sps']:.0f} samples/s, webdataset decode rgb8: {ld['webdataset_sps']:.0f} samples/s "
+          f"({ld['ratio']:.2f}x; {ld['samples']} samples, 1 process each)")
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

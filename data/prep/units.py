@@ -8,19 +8,14 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 
+from omniloom.data.wds import IMAGE_EXT, VIDEO_EXT  # noqa: F401 - one list, shared with the stream
+
 from .media import MediaLimits
 from .validate import (
     TextPolicy,
 )
 
 PROSE_EXT = {".txt", ".md", ".markdown", ".rst", ".text"}
-
-
-IMAGE_EXT = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".pnm", ".xbm",
-             ".sgi", ".ras", ".tga", ".ico", ".pcx", ".qoi", ".exr"}
-
-
-VIDEO_EXT = {".mp4", ".m4v", ".webm", ".mkv", ".mov", ".avi", ".flv", ".ts", ".mpg", ".mpeg", ".ogv", ".3gp", ".wmv"}
 
 
 HTML_EXT = {".html", ".htm", ".xhtml"}

@@ -8,7 +8,6 @@ sentence a person can act on. The ingest code turns these into lines of `rejects
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -16,21 +15,13 @@ import unicodedata
 from dataclasses import dataclass
 
 from omniloom.data.manifest import DEFAULT_MAX_TEXT_BYTES
+# Reject, loads_finite and the OBELICS rule are shared with the training stream (data/wds.py).
+from omniloom.data.wds import Reject, loads_finite, parse_obelics  # noqa: F401 - re-exported
 
 from .textenc import Detection, bom_encoding, detect_encoding, html_declared_encoding
 
 SEGMENT_TYPES = ("text", "code", "image", "video")
 MEDIA_TYPES = ("image", "video")
-
-
-class Reject(Exception):
-    """An input (or one segment of it) is not usable; `code` is a short tag, `reason` says why and
-    what to do."""
-
-    def __init__(self, code: str, reason: str):
-        super().__init__(f"{code}: {reason}")
-        self.code = code
-        self.reason = reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,28 +141,6 @@ def decode_bytes(data: bytes, policy: TextPolicy, *, what: str = "file", html: b
     if not text.strip():
         raise Reject("empty", f"{what} holds only whitespace")
     return Decoded(text, codec, source, detection if source == "detected" else None)
-
-
-def loads_finite(text: str) -> tuple[object, int]:
-    """`json.loads` that turns the non-standard NaN, Infinity and -Infinity (and numbers too large
-    for a float, such as 1e999) into None, so every JSON we write is strict; returns (object,
-    how many values were nulled) so the caller can count and log them."""
-    nulled = 0
-
-    def constant(_name):
-        nonlocal nulled
-        nulled += 1
-        return None
-
-    def number(s):
-        nonlocal nulled
-        v = float(s)
-        if math.isfinite(v):
-            return v
-        nulled += 1
-        return None
-
-    return json.loads(text, parse_constant=constant, parse_float=number), nulled
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -371,28 +340,7 @@ def _parse_omniloom(obj: dict) -> tuple[list[dict], dict]:
     return segments, meta
 
 
-def _parse_obelics(obj: dict) -> tuple[list[dict], dict]:
-    texts, images = obj["texts"], obj["images"]
-    if not isinstance(texts, list) or not isinstance(images, list):
-        raise Reject("schema", "OBELICS 'texts' and 'images' must be lists")
-    if len(texts) != len(images):
-        raise Reject("schema", f"OBELICS 'texts' ({len(texts)}) and 'images' ({len(images)}) differ in length")
-    segments = []
-    for i, (t, im) in enumerate(zip(texts, images)):
-        if (t is None) == (im is None):
-            raise Reject("schema", f"OBELICS position {i} must have exactly one of text and image non-null")
-        if t is not None:
-            if not isinstance(t, str):
-                raise Reject("schema", f"OBELICS texts[{i}] must be a string")
-            segments.append({"type": "text", "text": t})
-        else:
-            if not isinstance(im, str):
-                raise Reject("schema", f"OBELICS images[{i}] must be a path string")
-            segments.append({"type": "image", "path": im})
-    if not segments:
-        raise Reject("schema", "OBELICS record has no positions")
-    meta = {k: v for k, v in obj.items() if k not in ("texts", "images")}
-    return segments, meta
+_parse_obelics = parse_obelics  # the OBELICS rule is the data root's (data/wds.py)
 
 
 def check_output_document(doc, member_suffixes: set[str]) -> list[str]:

@@ -28,7 +28,8 @@ import warnings
 from dataclasses import dataclass, field
 
 from omniloom.data.config import SourceConfig
-from omniloom.data.manifest import ReadLimits, member_refusal, parse_manifest, split_member
+from omniloom.data import wds
+from omniloom.data.manifest import DOC_JSON_GROWTH, ReadLimits, member_refusal, parse_manifest, split_member
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,13 @@ class ShardInfo:
     keys: list[str]
     num_bytes: int = -1  # -1: unknown, read to the end of the stream for the last sample
     limits: ReadLimits = field(default_factory=ReadLimits)
+    # A foreign WebDataset shard named by a `data index` (docs/data-format.md, "In place"): its
+    # samples are mapped to documents as they are read (data/wds.py), and `members` (per sample,
+    # "ext:size/ext:size" from the headers at index time) and `mtime_ns` tell a changed shard.
+    foreign: bool = False
+    members: list[str] | None = None
+    mtime_ns: int = -1
+    caption_first: bool = False
     _sorted: list[int] | None = field(default=None, repr=False, compare=False)
 
     def byte_range(self, i: int) -> tuple[int, int]:
@@ -142,9 +150,13 @@ def _shards_from_manifest(manifest: dict, base: str, urls: list[str] | None, whe
     if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
         raise ValueError(f"{where}: 'shards' is not a list of {{name, samples}} entries; rebuild the manifest with `omniloom data build`")
     limits = ReadLimits.from_settings(manifest.get("settings"))
+    index = manifest.get("kind") == "index"
+    settings = manifest.get("settings") if isinstance(manifest.get("settings"), dict) else {}
     by_name = {e["name"]: e for e in entries}
     shards = []
-    if urls is None:
+    if index:  # the shards stay where they were indexed: an absolute path or URL, or one relative to the index
+        pairs = [(_index_url(base, e), e) for e in entries]
+    elif urls is None:
         pairs = [(_join(base, e["name"]), e) for e in entries]
     else:
         # Shards named by a pattern or pipe: command: match each URL to its manifest entry by the
@@ -162,7 +174,32 @@ def _shards_from_manifest(manifest: dict, base: str, urls: list[str] | None, whe
         offsets, keys = _samples(e)
         shards.append(ShardInfo(url=url, name=e["name"], offsets=offsets, keys=keys,
                                 num_bytes=max(_int_or(e.get("bytes"), -1), -1), limits=limits))
+        if index:
+            shards[-1].foreign, shards[-1].members = True, _signatures(e)
+            shards[-1].mtime_ns, shards[-1].caption_first = _int_or(e.get("mtime_ns"), -1), settings.get("caption_first") is True
     return shards
+
+
+def _index_url(base: str, entry: dict) -> str:
+    url = entry.get("url")
+    if not isinstance(url, str) or not url:
+        url = entry["name"]
+    return url if (_SCHEME_RE.match(url) and not os.path.exists(url)) or os.path.isabs(url) else _join(base, url)
+
+
+def signature(members) -> str:
+    """A sample's members as "ext:size/ext:size" in tar order: what `data index` saw in its headers
+    and what the reader compares the headers it reads with (a changed shard)."""
+    return "/".join(f"{ext}:{size}" for ext, size in members)
+
+
+def _signatures(entry: dict) -> list[str]:
+    out = []
+    for s in entry.get("samples") or []:
+        members = s.get("members") if isinstance(s, dict) else None
+        ok = isinstance(members, list) and all(isinstance(m, list) and len(m) == 2 for m in members)
+        out.append(signature(members) if ok else "")
+    return out
 
 
 def index_shard(url: str) -> ShardInfo:
@@ -215,6 +252,42 @@ def _check_tar(url: str, source: str) -> None:
         raise ValueError(f"source '{source}': '{url}' is not a tar shard ({err}); {fix}") from None
 
 
+def _index_hint(what: str) -> str:
+    return (f"index them in place with `omniloom data index {what} --out INDEX` and set data.sources to INDEX "
+            f"(or copy them into omniloom shards with `omniloom data build {what} --out DIR`)")
+
+
+def _refuse_foreign_folder(path: str) -> None:
+    """A folder of WebDataset shards without a manifest (an img2dataset output): refused at start,
+    naming `data index`, instead of an epoch of `missing_doc_json` skips."""
+    local = _local_path(path)
+    tars = sorted(n for n in os.listdir(local) if n.lower().endswith((".tar", ".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")))
+    if tars:
+        raise ValueError(f"source '{path}' holds {len(tars)} WebDataset shard(s) (e.g. {tars[0]}) but no omniloom manifest; "
+                         + _index_hint(path))
+
+
+def _refuse_foreign_shard(url: str, source: str) -> None:
+    """A shard with no manifest whose first sample has no `doc.json` is a foreign WebDataset shard:
+    refused at start, naming `data index` (reading its first sample's headers decides it)."""
+    suffixes, key = set(), None
+    try:
+        with _open_stream(url, 0) as f, tarfile.open(fileobj=f, mode="r|") as tf:
+            for member in tf:
+                k, ext = wds.split_key(member.name)
+                if k is None or not member.isreg():
+                    continue
+                if key is not None and k != key:
+                    break
+                key = k
+                suffixes.add(ext)
+    except (tarfile.TarError, EOFError, ValueError, OverflowError, OSError, SampleError):
+        return  # unreadable: index_shard says what is wrong with it
+    if key is not None and "doc.json" not in suffixes:
+        raise ValueError(f"source '{source}': '{url}' is a WebDataset shard not written by `omniloom data build` (its first "
+                         f"sample {key!r} has {', '.join(sorted(suffixes))[:120]} and no doc.json); " + _index_hint(source))
+
+
 def resolve_source(source: SourceConfig) -> ShardSet:
     """Resolve a SourceConfig to its shards and per-sample offsets.
 
@@ -228,6 +301,7 @@ def resolve_source(source: SourceConfig) -> ShardSet:
         if is_local(path) and os.path.isdir(_local_path(path)):
             manifest_url = _join(path, "manifest.json")
             if not os.path.exists(manifest_url):
+                _refuse_foreign_folder(path)
                 raise FileNotFoundError(f"source '{path}' has no manifest.json; build it with `omniloom data build`")
         elif path.endswith(".json"):
             manifest_url = path
@@ -257,6 +331,7 @@ def resolve_source(source: SourceConfig) -> ShardSet:
         shards = _shards_from_manifest(manifest, _dirname(manifest_url), urls, manifest_url)
     else:
         assert urls is not None
+        _refuse_foreign_shard(urls[0], path)
         warnings.warn(f"source '{path}': no manifest found; indexing {len(urls)} shard(s) by a full read "
                       "(pass `manifest:` to skip this)", stacklevel=2)
         shards = [index_shard(u) for u in urls]
@@ -363,6 +438,47 @@ def _members(fileobj, key: str, limits: ReadLimits, where: str, *, stream: bool 
     return members
 
 
+# A foreign sample the mapping refuses, by the reader's reasons where one fits (docs/data-format.md)
+_REJECT_REASONS = {"too-large": "oversize_member", "sparse-member": "sparse_member", "too-many-members": "oversize_member",
+                   "truncated-tar": "truncated_shard", "corrupt-tar": "corrupt_tar"}
+
+
+def _wds_limits(limits: ReadLimits) -> wds.ReadLimits:
+    """The mapping's per-role limits from the index's settings: a caption, json or meta member may be
+    as large as the build's --max-text-bytes."""
+    return wds.ReadLimits(image=limits.image_bytes, video=limits.video_bytes, text=limits.doc_json_bytes // DOC_JSON_GROWTH)
+
+
+def _foreign_members(fileobj, shard: ShardInfo, i: int, where: str, stream: bool) -> tuple[str, wds.Members]:
+    """(key, members) of the foreign sample at the start of `fileobj`, read with WebDataset's rules
+    (data/wds.py: `groups`, `member_value`: a member past its role's limit, or sparse, is never read)
+    and checked against the index: another key there is `manifest_mismatch`, other member names
+    or sizes `changed_shard`."""
+    key = shard.keys[i]
+    tf = tarfile.open(fileobj=fileobj, mode="r|" if stream else "r:")
+    read = wds.member_reader(_wds_limits(shard.limits))
+    try:
+        found = next(wds.groups(tf, lambda ti, ext: read(ti, ext, tf)), None)
+    except wds.Reject as rej:
+        raise SampleError(_REJECT_REASONS.get(rej.code, "corrupt_tar"), f"{where}: {rej.reason}") from None
+    except (tarfile.TarError, EOFError) as err:
+        found = getattr(err, "pending", None)  # the tar breaks after this sample, whose members were read whole
+        if found is None:
+            raise
+    if found is None:
+        raise SampleError("manifest_mismatch", f"{where}: no sample at the index's offset; the shard changed since "
+                                               "`omniloom data index`: index it again")
+    got, _, _, members = found
+    if got != key:
+        raise SampleError("manifest_mismatch", f"{where}: the tar holds {got!r} at the index's offset of {key!r}; "
+                                               "the shard changed since `omniloom data index`: index it again")
+    seen = signature((e, size) for e, _, size in members)
+    if shard.members and shard.members[i] != seen:
+        raise SampleError("changed_shard", f"{where}: its members are now {seen[:200]!r}, {shard.members[i][:200]!r} when "
+                                           "indexed: the shard changed since `omniloom data index`; index it again")
+    return got, [(e, v) for e, v, _ in members]
+
+
 class SampleReader:
     """Reads samples by (shard, index); keeps one stream open so sequential reads cost no seek."""
 
@@ -371,6 +487,7 @@ class SampleReader:
         self._url: str | None = None
         self._f = None
         self._pos = 0
+        self._mtime_warned: set[int] = set()
 
     def close(self) -> None:
         if self._f is not None:
@@ -395,8 +512,11 @@ class SampleReader:
         self._f, self._url, self._pos = _open_stream(url, offset), url, offset
         return self._f
 
-    def read_raw(self, shard_idx: int, sample_idx: int) -> dict[str, bytes]:
-        """The sample's members by suffix (`doc.json`, `img0.jpg`, ...). Raises SampleError."""
+    def read_raw(self, shard_idx: int, sample_idx: int, parse=None):
+        """The sample's members by suffix (`doc.json`, `img0.jpg`, ...); with `parse`, what
+        `parse(window, shard, sample_idx, where, stream)` makes of the sample's byte range instead (a
+        foreign sample: `_foreign_members`). Raises SampleError."""
+        parse = parse or (lambda fileobj, shard, i, where, stream: _members(fileobj, shard.keys[i], shard.limits, where, stream=stream))
         shard = self.shards[shard_idx]
         key = shard.keys[sample_idx]
         start, end = shard.byte_range(sample_idx)
@@ -413,7 +533,9 @@ class SampleReader:
             window = _Window(f, start, stop, seekable=local)
             short = local and end >= 0 and stop < end
             try:
-                members = _members(window, key, shard.limits, f"{shard.url}: sample {sample_idx} ({key})", stream=not local)
+                if shard.foreign and local:
+                    self._check_unchanged(shard_idx, f)
+                members = parse(window, shard, sample_idx, f"{shard.url}: sample {sample_idx} ({key})", not local)
             finally:
                 self._pos = window.pos
             short = short or window.short
@@ -433,8 +555,31 @@ class SampleReader:
             self.close()
         return members
 
+    def _check_unchanged(self, shard_idx: int, f) -> None:
+        """A foreign shard whose size is not the indexed one changed since `data index`: every
+        sample of it is skipped (`changed_shard`) rather than misread. Its mtime alone differing
+        (a copy, a touch) is not a change: each sample's headers are still compared with the
+        index's (`_foreign_members`)."""
+        shard = self.shards[shard_idx]
+        st = os.fstat(f.fileno())
+        if shard.num_bytes >= 0 and st.st_size != shard.num_bytes:
+            raise SampleError("changed_shard", f"{shard.url} is {st.st_size} bytes, {shard.num_bytes} when it was indexed: "
+                                               "it changed since `omniloom data index`; index it again")
+        if shard.mtime_ns >= 0 and st.st_mtime_ns != shard.mtime_ns and shard_idx not in self._mtime_warned:
+            self._mtime_warned.add(shard_idx)
+            log.warning("%s was modified since `omniloom data index` (same size): each sample's headers are checked "
+                        "against the index; re-index it if its contents changed", shard.url)
+
     def read_document(self, shard_idx: int, sample_idx: int) -> tuple[dict, dict[str, bytes]]:
         """(doc_json, media bytes by ref) for one sample; raises SampleError with a skip reason."""
+        shard = self.shards[shard_idx]
+        if shard.foreign:
+            key, members = self.read_raw(shard_idx, sample_idx, _foreign_members)
+            try:
+                return wds.document_from_sample(key, members, limits=_wds_limits(shard.limits), caption_first=shard.caption_first,
+                                                source=f"{shard.name}#{key}")
+            except wds.Reject as rej:
+                raise SampleError(_REJECT_REASONS.get(rej.code, "bad_sample"), f"{shard.url}: sample {key}: {rej.reason}") from None
         members = self.read_raw(shard_idx, sample_idx)
         raw = members.pop("doc.json", None)
         if raw is None:
