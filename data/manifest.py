@@ -3,6 +3,7 @@ stream reader and the tokenizer trainer.
 
 Public helpers:
 - `read_manifest(dir) -> dict`: load and check `DIR/manifest.json` (`parse_manifest` for text).
+- `iter_documents(dir)`, `read_rejects(dir)`: a finished build read back.
 - `iter_sample_at(tar_path, offset) -> (key, {member_suffix: bytes})`: read the one sample whose
   first member's 512-byte tar header starts at `offset`.
 - `iter_shard_samples(tar_path) -> iterator of (offset, key, {suffix: bytes})`: read a shard
@@ -173,6 +174,24 @@ def iter_sample_at(tar_path: str | os.PathLike, offset: int) -> tuple[str, dict[
     if key is None:
         raise ValueError(f"{tar_path}: no sample at byte {offset}")
     return key, members
+
+
+def iter_documents(directory: str | os.PathLike) -> Iterator[tuple[str, dict, dict[str, bytes]]]:
+    """(key, doc.json as a dict, {member_suffix: bytes}) of every sample of a built folder, in
+    manifest order: a build read back whole (tests, notebooks; `omniloom data inspect` shows one)."""
+    for shard in read_manifest(directory)["shards"]:
+        for smp in shard["samples"]:
+            key, members = iter_sample_at(os.path.join(directory, shard["name"]), smp["offset"])
+            yield key, json.loads(members["doc.json"]), members
+
+
+def read_rejects(directory: str | os.PathLike) -> list[dict]:
+    """The lines of a build's rejects.jsonl (none when the file is absent)."""
+    path = os.path.join(directory, REJECTS)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,24 @@ def run_bench(*, docs: int = 240, workers: list[int] = (1, 2), image_size: int =
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)
+
+
+def compare_builds(base: str, cases: list[tuple[str, str, tuple[int, float], str]], *, workers: int, inputs: str) -> str:
+    """Build each case's source into `base`, timed, and return the table of docs/s against its
+    reference. A case is (label, reference name, (documents the reference read, its seconds),
+    source): the caller times the reference in the same run, reading the same inputs with their own
+    library alone. `inputs` is the line that says what was generated."""
+    from .shards import build
+
+    lines = [f"{inputs}; {os.cpu_count()} CPUs, build --workers {workers}",
+             f"{'input':<34}{'reference':>24}{'ref docs/s':>12}{'build docs/s':>14}{'build/ref':>11}"]
+    for i, (label, refname, (n_ref, ref_s), src) in enumerate(cases):
+        out = os.path.join(base, f"out-{i}")
+        shutil.rmtree(out, ignore_errors=True)
+        t = time.perf_counter()
+        docs = build([src], out, workers=workers, progress=False)["documents"]
+        secs = time.perf_counter() - t
+        lines.append(f"{label:<34}{refname:>24}{n_ref / ref_s:>12.1f}{docs / secs:>14.1f}{(docs / secs) / (n_ref / ref_s):>10.2f}x")
+        if docs != n_ref:
+            lines.append(f"  (the build wrote {docs} documents of {n_ref} inputs: see {out}/rejects.jsonl)")
+    return "\n".join(lines)

@@ -81,7 +81,7 @@ def _reference_zst(path: str) -> tuple[int, float]:
 def run_foreign_bench(*, samples: int = 600, records: int = 20000, image_size: int = 256, workers: int = 1,
                       keep: str | None = None) -> str:
     """Generate the inputs, time the references and the builds, and return the report as text."""
-    from .shards import build
+    from .build_bench import compare_builds
 
     base = keep or tempfile.mkdtemp(prefix="omniloom-bench-foreign-")
     try:
@@ -89,24 +89,11 @@ def run_foreign_bench(*, samples: int = 600, records: int = 20000, image_size: i
         t0 = time.perf_counter()
         inputs = make_foreign_inputs(os.path.join(base, "in"), samples=samples, records=records, image_size=image_size)
         gen_s = time.perf_counter() - t0
-        rows = []
-        for label, ref, src in (("WebDataset shards (jpg+txt+json)", _reference_wds(inputs["shards"]), inputs["wds_dir"]),
-                                (".jsonl.zst text corpus", _reference_zst(inputs["corpus"]), inputs["text_dir"])):
-            out = os.path.join(base, "out-" + label.split()[0].strip(".").lower())
-            shutil.rmtree(out, ignore_errors=True)
-            t = time.perf_counter()
-            s = build([src], out, workers=workers, progress=False)
-            secs = time.perf_counter() - t
-            rows.append((label, ref, s["documents"], secs))
-        lines = [f"inputs: {samples} samples ({image_size}px JPEG) in {len(inputs['shards'])} shards, {records} text records; "
-                 f"generated in {gen_s:.1f}s; {os.cpu_count()} CPUs, build --workers {workers}",
-                 f"{'input':<34}{'reference':>22}{'ref docs/s':>12}{'build docs/s':>14}{'build/ref':>11}"]
-        for label, (n_ref, ref_s), docs, secs in rows:
-            refname = "WebDataset rgb8" if label.startswith("WebDataset") else "zstandard+json"
-            lines.append(f"{label:<34}{refname:>22}{n_ref / ref_s:>12.1f}{docs / secs:>14.1f}{(docs / secs) / (n_ref / ref_s):>10.2f}x")
-            if docs != n_ref:
-                lines.append(f"  (the build wrote {docs} documents of {n_ref} samples: see its rejects.jsonl)")
-        return "\n".join(lines)
+        cases = [("WebDataset shards (jpg+txt+json)", "WebDataset rgb8", _reference_wds(inputs["shards"]), inputs["wds_dir"]),
+                 (".jsonl.zst text corpus", "zstandard+json", _reference_zst(inputs["corpus"]), inputs["text_dir"])]
+        return compare_builds(base, cases, workers=workers,
+                              inputs=f"inputs: {samples} samples ({image_size}px JPEG) in {len(inputs['shards'])} shards, "
+                              f"{records} text records; generated in {gen_s:.1f}s")
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)

@@ -73,7 +73,7 @@ def _reference(path: str, decode: bool) -> tuple[int, float]:
 
 def run_parquet_bench(*, rows: int = 600, text_rows: int = 20000, image_size: int = 256, workers: int = 1, keep: str | None = None) -> str:
     """Generate the inputs, time the references and the builds, and return the report as text."""
-    from .shards import build
+    from .build_bench import compare_builds
 
     base = keep or tempfile.mkdtemp(prefix="omniloom-bench-parquet-")
     try:
@@ -81,23 +81,11 @@ def run_parquet_bench(*, rows: int = 600, text_rows: int = 20000, image_size: in
         t0 = time.perf_counter()
         inputs = make_parquet_inputs(os.path.join(base, "in"), rows=rows, text_rows=text_rows, image_size=image_size)
         gen_s = time.perf_counter() - t0
-        out_rows = []
-        for label, ref, src in (("parquet Image + caption", _reference(inputs["pairs"], True), inputs["img_dir"]),
-                                ("parquet text (FineWeb layout)", _reference(inputs["fineweb"], False), inputs["text_dir"])):
-            out = os.path.join(base, "out-" + ("images" if "Image" in label else "text"))
-            shutil.rmtree(out, ignore_errors=True)
-            t = time.perf_counter()
-            s = build([src], out, workers=workers, progress=False)
-            out_rows.append((label, ref, s["documents"], time.perf_counter() - t))
-        lines = [f"inputs: {rows} image rows ({image_size}px JPEG, row groups of 100), {text_rows} text rows; generated in {gen_s:.1f}s; "
-                 f"{os.cpu_count()} CPUs, build --workers {workers}",
-                 f"{'input':<32}{'reference':>24}{'ref docs/s':>12}{'build docs/s':>14}{'build/ref':>11}"]
-        for label, (n_ref, ref_s), docs, secs in out_rows:
-            refname = "pyarrow + PIL rgb" if "Image" in label else "pyarrow to_pylist"
-            lines.append(f"{label:<32}{refname:>24}{n_ref / ref_s:>12.1f}{docs / secs:>14.1f}{(docs / secs) / (n_ref / ref_s):>10.2f}x")
-            if docs != n_ref:
-                lines.append(f"  (the build wrote {docs} documents of {n_ref} rows: see its rejects.jsonl)")
-        return "\n".join(lines)
+        cases = [("parquet Image + caption", "pyarrow + PIL rgb", _reference(inputs["pairs"], True), inputs["img_dir"]),
+                 ("parquet text (FineWeb layout)", "pyarrow to_pylist", _reference(inputs["fineweb"], False), inputs["text_dir"])]
+        return compare_builds(base, cases, workers=workers,
+                              inputs=f"inputs: {rows} image rows ({image_size}px JPEG, row groups of 100), {text_rows} text rows; "
+                              f"generated in {gen_s:.1f}s")
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)

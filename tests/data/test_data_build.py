@@ -229,23 +229,16 @@ def test_drop_doc_policy_and_rerun_is_a_no_op(corpus, tmp_path):
     assert build([str(src)], str(tmp_path / "a"), progress=False, overwrite=True)["documents"] == 2
 
 
-def _run_build(src, out, *extra, env=None):
-    # The data commands' own entry point: same handlers as `omniloom data build`, without the start-up
-    # cost of importing every package's CLI.
-    return subprocess.Popen([sys.executable, "-m", "omniloom.data.cli", "build", str(src), "--out", str(out), "--shard-docs", "2", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
-
-
 @pytest.mark.parametrize("extra", [(), ("--shuffle", "7")])
-def test_kill_9_and_resume_is_byte_identical(corpus, tmp_path, extra):
+def test_kill_9_and_resume_is_byte_identical(corpus, tmp_path, extra, start_build):
     root, _, _ = corpus
     clean = tmp_path / "clean"
-    p = _run_build(root, clean, *extra)
+    p = start_build(root, clean, *extra)
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     out = tmp_path / "killed"
     env = {**os.environ, "OMNILOOM_TEST_BUILD_PAUSE": "0.15"}
     for _ in range(2):  # kill twice: once in the first run, once in a resumed run
-        p = _run_build(root, out, *extra, env=env)
+        p = start_build(root, out, *extra, env=env)
         deadline = time.time() + 60
         journal = out / ".build-journal.jsonl"
         start_lines = len(journal.read_text().splitlines()) if journal.exists() else 0
@@ -258,7 +251,7 @@ def test_kill_9_and_resume_is_byte_identical(corpus, tmp_path, extra):
         assert not (out / "manifest.json").exists()
         assert any(f.name.endswith(".tar.tmp") for f in out.iterdir())
     done_before = {f.name: f.stat().st_mtime_ns for f in out.iterdir() if f.name.endswith(".tar")}
-    p = _run_build(root, out, *extra)
+    p = start_build(root, out, *extra)
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     assert "(resumed)" in p.stdout.read().decode()
     for name, mtime in done_before.items():  # completed shards were not rewritten

@@ -10,8 +10,6 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
@@ -21,7 +19,7 @@ import pytest
 
 from omniloom.data.prep.foreign import PayloadFiller, ReadLimits, map_sample, read_sample_at, scan_tar, split_key
 from omniloom.data.prep.units import IngestSettings, Unit
-from omniloom.data.manifest import iter_sample_at, read_manifest
+from omniloom.data.manifest import iter_documents, read_rejects
 from omniloom.data.prep.shards import build
 
 wds = pytest.importorskip("webdataset")
@@ -88,17 +86,11 @@ def write_video2dataset_shard(path: Path, n: int = 3) -> dict:
 
 def _documents(out: Path) -> dict[str, tuple[dict, dict]]:
     """{meta.wds_key: (doc, members)} of a finished build."""
-    docs = {}
-    for shard in read_manifest(out)["shards"]:
-        for smp in shard["samples"]:
-            _, members = iter_sample_at(out / shard["name"], smp["offset"])
-            doc = json.loads(members["doc.json"])
-            docs[doc["meta"]["wds_key"]] = (doc, members)
-    return docs
+    return {doc["meta"]["wds_key"]: (doc, members) for _, doc, members in iter_documents(out)}
 
 
 def _rejects(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    return read_rejects(out)
 
 
 @pytest.fixture(scope="module")
@@ -220,13 +212,8 @@ def test_foreign_builds_are_deterministic_and_parts_merge(shards, tmp_path, caps
     assert set(_documents(tmp_path / "m")) == set(_documents(a))
 
 
-def _run_build(src, out, *extra, env=None):
-    return subprocess.Popen([sys.executable, "-m", "omniloom.data.cli", "build", *map(str, src), "--out", str(out), "--shard-docs", "2", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
-
-
 @pytest.mark.parametrize("compressed", [False, True])
-def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path, compressed):
+def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path, compressed, start_build):
     root, _, _ = shards
     src = [root / "laion"]
     if compressed:  # .tar.gz: read front to back, and resumed by reading forward to the first unbuilt sample
@@ -236,11 +223,11 @@ def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path
             (folder / (p.name + ".gz")).write_bytes(gzip.compress(p.read_bytes()))
         src = [folder]
     clean = tmp_path / "clean"
-    p = _run_build(src, clean)
+    p = start_build(src, clean)
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     out = tmp_path / "killed"
     env = {**os.environ, "OMNILOOM_TEST_BUILD_PAUSE": "0.15"}
-    p = _run_build(src, out, env=env)
+    p = start_build(src, out, env=env)
     journal = out / ".build-journal.jsonl"
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -250,7 +237,7 @@ def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     assert not (out / "manifest.json").exists()
-    p = _run_build(src, out)
+    p = start_build(src, out)
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     assert "(resumed)" in p.stdout.read().decode()
     assert sorted(os.listdir(out)) == sorted(os.listdir(clean))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from omniloom.data.cli import main
-from omniloom.data.manifest import iter_sample_at, read_manifest
+from omniloom.data.manifest import iter_documents
 from omniloom.data.prep.shards import build
 
 
@@ -51,12 +51,7 @@ def _video(fmt: str, codec: str, rate: int = 10) -> bytes:
 
 
 def _docs(out: Path) -> dict[str, dict]:
-    docs = {}
-    for shard in read_manifest(out)["shards"]:
-        for smp in shard["samples"]:
-            doc = json.loads(iter_sample_at(out / shard["name"], smp["offset"])[1]["doc.json"])
-            docs[doc["meta"]["source"].split("/", 1)[1]] = doc
-    return docs
+    return {doc["meta"]["source"].split("/", 1)[1]: doc for _, doc, _ in iter_documents(out)}
 
 
 def _build(capsys, *args) -> tuple[int, str, str]:

@@ -7,18 +7,15 @@ resume, --part and merge) and its shards train."""
 from __future__ import annotations
 
 import io
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from omniloom.data.manifest import iter_sample_at, read_manifest
+from omniloom.data.manifest import iter_documents, read_rejects
 from omniloom.data.prep.parquet import plan_columns
 from omniloom.data.prep.shards import build
 from omniloom.data.prep.units import IngestSettings
@@ -79,17 +76,11 @@ def corpus(tmp_path_factory):
 
 def _documents(out: Path) -> dict[str, tuple[dict, dict]]:
     """{meta.source: (doc, members)} of a finished build."""
-    docs = {}
-    for shard in read_manifest(out)["shards"]:
-        for smp in shard["samples"]:
-            _, members = iter_sample_at(out / shard["name"], smp["offset"])
-            doc = json.loads(members["doc.json"])
-            docs[doc["meta"]["source"]] = (doc, members)
-    return docs
+    return {doc["meta"]["source"]: (doc, members) for _, doc, members in iter_documents(out)}
 
 
 def _rejects(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    return read_rejects(out)
 
 
 def test_image_column_with_captions_one_document_per_row(corpus, tmp_path):
@@ -172,19 +163,14 @@ def test_parquet_builds_are_deterministic_and_parts_merge(corpus, tmp_path):
     assert set(_documents(tmp_path / "m")) == set(_documents(a))
 
 
-def _run_build(src, out, *extra, env=None):
-    return subprocess.Popen([sys.executable, "-m", "omniloom.data.cli", "build", *map(str, src), "--out", str(out), "--shard-docs", "2", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
-
-
-def test_kill_9_and_resume_of_a_parquet_build_is_byte_identical(corpus, tmp_path):
+def test_kill_9_and_resume_of_a_parquet_build_is_byte_identical(corpus, tmp_path, start_build):
     root, _ = corpus
     src = [root / "pairs", root / "text"]
     clean = tmp_path / "clean"
-    p = _run_build(src, clean, "--workers", "2")
+    p = start_build(src, clean, "--workers", "2")
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     out = tmp_path / "killed"
-    p = _run_build(src, out, "--workers", "2", env={**os.environ, "OMNILOOM_TEST_BUILD_PAUSE": "0.15"})
+    p = start_build(src, out, "--workers", "2", env={**os.environ, "OMNILOOM_TEST_BUILD_PAUSE": "0.15"})
     journal = out / ".build-journal.jsonl"
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -194,7 +180,7 @@ def test_kill_9_and_resume_of_a_parquet_build_is_byte_identical(corpus, tmp_path
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     assert not (out / "manifest.json").exists()
-    p = _run_build(src, out)  # resumed at 1 worker: the same bytes
+    p = start_build(src, out)  # resumed at 1 worker: the same bytes
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     assert "(resumed)" in p.stdout.read().decode()
     assert sorted(os.listdir(out)) == sorted(os.listdir(clean))
@@ -202,27 +188,14 @@ def test_kill_9_and_resume_of_a_parquet_build_is_byte_identical(corpus, tmp_path
         assert (out / name).read_bytes() == (clean / name).read_bytes(), name
 
 
-def test_a_parquet_build_trains(corpus, tmp_path):
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    from omniloom.pretrain.cli import main
+def test_a_parquet_build_trains(corpus, tmp_path, train_tiny):
     from omniloom.tokenizers.testing import make_tiny_tokenizer
 
     root, _ = corpus
     shards = tmp_path / "shards"
     build([str(root / "pairs"), str(root / "lists"), str(root / "text")], str(shards), progress=False)
     make_tiny_tokenizer(tmp_path / "tok")
-    try:
-        assert main(["-qq", "train", "--no-progress", "--run-dir", str(tmp_path / "run"), "tiny",
-                     f"data.sources=[{{path: {shards}}}]", f"data.tokenizer={tmp_path / 'tok'}",
-                     "data.seq_len=128", "data.batch_size=2", "data.num_workers=0", "model.dim=64", "model.num_heads=2",
-                     "model.num_kv_heads=1", "model.rope_sections=[8,12,12]", "model.attention.window=64",
-                     "model.attention.block_size=16", "model.moe.expert_dim=64", "model.moe.dense_dim=128",
-                     "train.num_steps=2", "checkpoint.every=2", "logging.every=1", "logging.tensorboard=false"]) == 0
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
+    assert train_tiny(tmp_path / "run", shards, tmp_path / "tok") == 0
     from omniloom.pretrain.rundir import METRICS, read_metrics
 
     rows = [r for r in read_metrics(tmp_path / "run" / METRICS) if "loss" in r]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from omniloom.data.manifest import iter_sample_at, read_manifest
+from omniloom.data.manifest import iter_documents
 from omniloom.data.prep.shards import build
 from omniloom.data.prep.textcorpus import parse_record
 
@@ -29,11 +29,7 @@ def _jsonl(records) -> bytes:
 
 
 def _docs(out: Path) -> list[dict]:
-    docs = []
-    for shard in read_manifest(out)["shards"]:
-        for smp in shard["samples"]:
-            docs.append(json.loads(iter_sample_at(out / shard["name"], smp["offset"])[1]["doc.json"]))
-    return docs
+    return [doc for _, doc, _ in iter_documents(out)]
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz", ".zst", ".bz2", ".xz"])

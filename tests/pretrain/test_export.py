@@ -213,11 +213,9 @@ def test_run_folder_picks_newest_complete_checkpoint(tmp_path, tok_dir):
     assert resolve_checkpoint(run / "checkpoints").name == f"step_{STEP:08d}"
 
 
-def test_real_training_run_exports_evaluates_and_generates(tmp_path):
+def test_real_training_run_exports_evaluates_and_generates(tmp_path, train_tiny):
     """The trainer's own checkpoint layout (accelerate save_state, trainer.pt with scheduler state)
     goes through export, load_pretrained, eval and generate."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
     assert main(["-qq", "data", "demo-corpus", "--out", str(tmp_path / "corpus"), "--num-images", "4", "--num-videos", "1",
                  "--num-heldout-images", "3", "--num-heldout-videos", "1", "--num-interleaved", "1", "--image-size", "32"]) == 0
     for split in ("train", "heldout"):
@@ -226,17 +224,7 @@ def test_real_training_run_exports_evaluates_and_generates(tmp_path):
                  "--out", str(tmp_path / "tok"), "--threads", "1", "--image-patch-budget", "16",
                  "--video-frame-budget", "4", "--video-patch-budget", "8"]) == 0
     run = tmp_path / "run"
-    try:
-        assert main(["-qq", "train", "--no-progress", "--run-dir", str(run), "tiny",
-                     f"data.sources=[{{path: {tmp_path / 'shards' / 'train'}}}]", f"data.tokenizer={tmp_path / 'tok'}",
-                     "data.seq_len=128", "data.batch_size=2", "data.num_workers=0", "model.dim=64", "model.num_heads=2",
-                     "model.num_kv_heads=1", "model.rope_sections=[8,12,12]", "model.attention.window=64",
-                     "model.attention.block_size=16", "model.moe.expert_dim=64", "model.moe.dense_dim=128",
-                     "train.num_steps=2", "checkpoint.every=2", "logging.every=1", "logging.tensorboard=false"]) == 0
-    finally:
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
+    assert train_tiny(run, tmp_path / "shards" / "train", tmp_path / "tok") == 0
     out = tmp_path / "export"
     assert main(["-qq", "export", str(run), "--out", str(out), "--max-shard-size", "200KB"]) == 0
     assert (out / "model.safetensors.index.json").is_file()
