@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -230,25 +229,14 @@ def test_drop_doc_policy_and_rerun_is_a_no_op(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [(), ("--shuffle", "7")])
-def test_kill_9_and_resume_is_byte_identical(corpus, tmp_path, extra, start_build):
+def test_kill_9_and_resume_is_byte_identical(corpus, tmp_path, extra, start_build, kill_build):
     root, _, _ = corpus
     clean = tmp_path / "clean"
     p = start_build(root, clean, *extra)
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     out = tmp_path / "killed"
-    env = {**os.environ, "OMNILOOM_TEST_BUILD_PAUSE": "0.15"}
     for _ in range(2):  # kill twice: once in the first run, once in a resumed run
-        p = start_build(root, out, *extra, env=env)
-        deadline = time.time() + 60
-        journal = out / ".build-journal.jsonl"
-        start_lines = len(journal.read_text().splitlines()) if journal.exists() else 0
-        while time.time() < deadline:
-            if journal.exists() and len(journal.read_text().splitlines()) >= start_lines + 2 and any(f.suffix == ".tmp" for f in out.iterdir()):
-                break
-            time.sleep(0.02)
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        assert not (out / "manifest.json").exists()
+        kill_build(root, out, *extra)
         assert any(f.name.endswith(".tar.tmp") for f in out.iterdir())
     done_before = {f.name: f.stat().st_mtime_ns for f in out.iterdir() if f.name.endswith(".tar")}
     p = start_build(root, out, *extra)

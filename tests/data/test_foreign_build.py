@@ -9,9 +9,7 @@ import gzip
 import io
 import json
 import os
-import signal
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -194,26 +192,13 @@ def test_mapping_rules(tmp_path):
         map_sample("k", [("0.jpg", jpg), ("json", json.dumps(obj).encode())])
 
 
-def test_foreign_builds_are_deterministic_and_parts_merge(shards, tmp_path, capsys):
-    from omniloom.data.cli import main
-
-    root, laion, _ = shards
-    a, b = tmp_path / "a", tmp_path / "b"
-    build([str(root / "laion"), str(root / "webvid")], str(a), shard_max_docs=4, progress=False, workers=1)
-    build([str(root / "laion"), str(root / "webvid")], str(b), shard_max_docs=4, progress=False, workers=2)
-    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
-    for name in os.listdir(a):
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    parts = []
-    for i in range(2):
-        parts.append(tmp_path / f"p{i}")
-        build([str(root / "laion"), str(root / "webvid")], str(parts[-1]), part=(i, 2), shard_max_docs=4, progress=False)
-    assert main(["merge", *map(str, parts), "--out", str(tmp_path / "m")]) == 0
-    assert set(_documents(tmp_path / "m")) == set(_documents(a))
+def test_foreign_builds_are_deterministic_and_parts_merge(shards, check_workers_and_parts):
+    root, _, _ = shards
+    check_workers_and_parts([root / "laion", root / "webvid"], shard_max_docs=4)
 
 
 @pytest.mark.parametrize("compressed", [False, True])
-def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path, compressed, start_build):
+def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path, compressed, start_build, kill_build):
     root, _, _ = shards
     src = [root / "laion"]
     if compressed:  # .tar.gz: read front to back, and resumed by reading forward to the first unbuilt sample
@@ -226,17 +211,7 @@ def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path
     p = start_build(src, clean)
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     out = tmp_path / "killed"
-    env = {**os.environ, "OMNILOOM_TEST_BUILD_PAUSE": "0.15"}
-    p = start_build(src, out, env=env)
-    journal = out / ".build-journal.jsonl"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if journal.exists() and len(journal.read_text().splitlines()) >= 3 and any(f.suffix == ".tmp" for f in out.iterdir()):
-            break
-        time.sleep(0.02)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    assert not (out / "manifest.json").exists()
+    kill_build(src, out, shards=3)
     p = start_build(src, out)
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     assert "(resumed)" in p.stdout.read().decode()

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -144,42 +142,19 @@ def test_columns_chosen_by_flags_when_the_file_cannot_tell(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_parquet_builds_are_deterministic_and_parts_merge(corpus, tmp_path):
-    from omniloom.data.cli import main
-
+def test_parquet_builds_are_deterministic_and_parts_merge(corpus, check_workers_and_parts):
     root, _ = corpus
-    src = [str(root / "pairs"), str(root / "lists"), str(root / "text")]
-    a, b = tmp_path / "a", tmp_path / "b"
-    build(src, str(a), shard_max_docs=4, progress=False, workers=1)
-    build(src, str(b), shard_max_docs=4, progress=False, workers=2)
-    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
-    for name in os.listdir(a):
-        assert (a / name).read_bytes() == (b / name).read_bytes(), name
-    parts = []
-    for i in range(2):
-        parts.append(tmp_path / f"p{i}")
-        build(src, str(parts[-1]), part=(i, 2), shard_max_docs=4, progress=False)
-    assert main(["merge", *map(str, parts), "--out", str(tmp_path / "m")]) == 0
-    assert set(_documents(tmp_path / "m")) == set(_documents(a))
+    check_workers_and_parts([root / "pairs", root / "lists", root / "text"], shard_max_docs=4)
 
 
-def test_kill_9_and_resume_of_a_parquet_build_is_byte_identical(corpus, tmp_path, start_build):
+def test_kill_9_and_resume_of_a_parquet_build_is_byte_identical(corpus, tmp_path, start_build, kill_build):
     root, _ = corpus
     src = [root / "pairs", root / "text"]
     clean = tmp_path / "clean"
     p = start_build(src, clean, "--workers", "2")
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     out = tmp_path / "killed"
-    p = start_build(src, out, "--workers", "2", env={**os.environ, "OMNILOOM_TEST_BUILD_PAUSE": "0.15"})
-    journal = out / ".build-journal.jsonl"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if journal.exists() and len(journal.read_text().splitlines()) >= 3 and any(f.suffix == ".tmp" for f in out.iterdir()):
-            break
-        time.sleep(0.02)
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
-    assert not (out / "manifest.json").exists()
+    kill_build(src, out, "--workers", "2", shards=3)
     p = start_build(src, out)  # resumed at 1 worker: the same bytes
     assert p.wait(timeout=120) == 0, p.stderr.read().decode()
     assert "(resumed)" in p.stdout.read().decode()

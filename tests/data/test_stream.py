@@ -252,7 +252,6 @@ def test_eval_split_is_a_finite_pass_that_repeats(corpus):
 
 @pytest.mark.gpu
 def test_pinned_batches_move_to_cuda(corpus):
-    import torch
 
     a, _ = corpus
     loader = build_loader(_cfg([(a, 1.0)]), TOK, patch_dim=TOK.tubelet_dim, pin_memory=True, max_batches=2)
