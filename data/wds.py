@@ -277,7 +277,8 @@ def map_sample(key: str, members: Members, *, caption_first: bool = False,
     - image and video extensions -> image / video segments in member order, as
       `{"type", "path": "KEY.EXT", "_data": bytes or Unread}` (validated later like local files);
     - `txt`, `text`, `caption` -> the caption, a text segment after the media (before them with
-      `caption_first`); a second caption member goes to meta under its extension;
+      `caption_first`); a second caption member goes to meta under its extension; a zero-byte
+      caption member is as none (img2dataset's null caption; note `empty-caption-member`);
     - `json` -> `meta["json"]` (parsed; NaN/Infinity nulled), and the caption from its `caption` /
       `text` key when the sample has no caption member (note `caption-from-json`); a json in the
       OBELICS layout (`texts` / `images`) makes the sample one interleaved document: each non-null
@@ -343,6 +344,12 @@ def map_sample(key: str, members: Members, *, caption_first: bool = False,
         return _obelics_sample(key, obelics, media, meta, notes, decode)
 
     captions = [e for c in CAPTION_EXTS for e, _ in members if e == c] or [e for e, _ in members if member_role(e) == "caption"]
+    # img2dataset writes `KEY.txt` of zero bytes for a row whose caption is null: no caption, the
+    # medium still a document (as without a caption member), never a sample dropped as empty.
+    empty = [e for e in captions if by_ext[e] == b""]
+    if empty:
+        notes["empty-caption-member"] += len(empty)
+        captions = [e for e in captions if e not in empty]
     caption = ""
     for i, ext in enumerate(captions):
         value = by_ext[ext]

@@ -43,10 +43,15 @@ def _remote(src: str) -> bool:
     return src.startswith(("http://", "https://", "pipe:", "gs://", "s3://")) and not os.path.exists(src)
 
 
-def find_shards(sources: list[str]) -> list[str]:
+def find_shards(sources: list[str], skipped: Counter | None = None) -> list[str]:
     """The shards named by `sources` (tar files, brace patterns, folders walked for `.tar` files in
     sorted order, URLs), in order. A compressed tar anywhere refuses the whole index, in one line
-    naming `data build`; so does an omniloom build folder (it has its own manifest)."""
+    naming `data build`; so does an omniloom build folder (it has its own manifest). The other
+    files of a walked folder are counted in `skipped`: `shard-metadata` (img2dataset's and
+    video2dataset's `NNNNN_stats.json` / `NNNNN.parquet` beside `NNNNN.tar`), `not-a-shard` (the rest)."""
+    from .sniff import shard_metadata_file
+
+    skipped = Counter() if skipped is None else skipped
     shards = []
     for src in expand_sources(sources):
         if _remote(src):
@@ -58,7 +63,12 @@ def find_shards(sources: list[str]) -> list[str]:
             found = []
             for root, dirs, files in os.walk(src):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                found += [os.path.join(root, f) for f in sorted(files) if not f.startswith(".") and is_tar_name(f)]
+                names = sorted(f for f in files if not f.startswith("."))
+                found += [os.path.join(root, f) for f in names if is_tar_name(f)]
+                nameset = set(names)
+                for f in names:
+                    if not is_tar_name(f):
+                        skipped["shard-metadata" if shard_metadata_file(f, nameset) else "not-a-shard"] += 1
             if not found:
                 raise ValueError(f"'{src}' holds no .tar shards; `omniloom data index` reads WebDataset shards "
                                  "(img2dataset, video2dataset, webdataset.TarWriter)")
@@ -172,7 +182,8 @@ def index_shards(sources: list[str], out: str, *, settings: IngestSettings | Non
     `sources`; returns the summary. Raises ValueError / FileNotFoundError for what the user must fix."""
     st = settings or IngestSettings()
     limits = wds.ReadLimits.of(st)
-    shards = find_shards(sources)
+    skipped: Counter = Counter()
+    shards = find_shards(sources, skipped)
     if os.path.exists(os.path.join(out, MANIFEST)) and not overwrite:
         raise ValueError(f"{out} already holds a manifest.json; pass --overwrite to replace it, or another --out")
     os.makedirs(out, exist_ok=True)
@@ -239,6 +250,7 @@ def index_shards(sources: list[str], out: str, *, settings: IngestSettings | Non
                      "limits": {"max_image_bytes": st.limits.max_image_bytes, "max_video_bytes": st.limits.max_video_bytes},
                      "caption_first": st.caption_first, "validate": validate, "dedup": bool(validate and dedup)},
         **({"notes": dict(sorted(notes.items()))} if notes else {}),
+        **({"skipped": dict(sorted(skipped.items()))} if skipped else {}),
     }
     with open(os.path.join(out, REJECTS + ".tmp"), "w", encoding="utf-8") as f:
         for r in rejects:
@@ -248,13 +260,19 @@ def index_shards(sources: list[str], out: str, *, settings: IngestSettings | Non
     if echo is not None and sys.stderr.isatty():
         print(file=sys.stderr)
     return {"shards": len(entries), "documents": manifest["totals"]["documents"], "rejects": dict(by_code),
-            "seconds": time.perf_counter() - t0, "members": dict(roles), "out": out}
+            "seconds": time.perf_counter() - t0, "members": dict(roles), "out": out, "skipped": dict(skipped)}
+
+
+_SKIP_WHY = {"shard-metadata": "img2dataset/video2dataset NNNNN_stats.json / NNNNN.parquet beside NNNNN.tar",
+             "not-a-shard": "files that are not .tar shards; `omniloom data build` reads them"}
 
 
 def format_index_summary(s: dict) -> str:
     left = ", ".join(f"{n} {c}" for c, n in sorted(s["rejects"].items())) or "none"
+    skipped = ", ".join(f"{s['skipped'][k]} {k} ({why})" for k, why in _SKIP_WHY.items() if s.get("skipped", {}).get(k))
     return (f"indexed {s['documents']} samples of {s['shards']} shard(s) in place in {s['seconds']:.1f}s (left out: {left}; "
-            f"see {s['out']}/rejects.jsonl); train on them with data.sources=[{{path: {s['out']}}}]")
+            f"see {s['out']}/rejects.jsonl); train on them with data.sources=[{{path: {s['out']}}}]"
+            + (f"\nskipped: {skipped}" if skipped else ""))
 
 
 def register_index(dsub, size_type) -> None:

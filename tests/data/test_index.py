@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from omniloom.data.config import DataConfig, SourceConfig
-from omniloom.data.prep.index import index_shards
+from omniloom.data.prep.index import format_index_summary, index_shards
 from omniloom.data.stream.loader import WorkerStream, build_loader
 from omniloom.data.stream.reader import SampleReader, _foreign_members, resolve_source
 from omniloom.pretrain.cli import main
@@ -90,6 +90,9 @@ def test_index_finds_webdatasets_samples_with_the_same_bytes_member_by_member(da
     assert s["shards"] == 3 and s["documents"] == 13 and s["rejects"] == {}
     man = json.loads((tmp_path / "idx" / "manifest.json").read_text())
     assert man["kind"] == "index" and man["shards"][0]["url"] == str(root / "laion" / "00000.tar")
+    # img2dataset's NNNNN_stats.json beside each shard: skipped and counted, in the summary's words too
+    assert s["skipped"] == man["skipped"] == {"shard-metadata": 2}
+    assert "skipped: 2 shard-metadata" in format_index_summary(s)
     shards = resolve_source(SourceConfig(path=str(tmp_path / "idx"))).shards
     reader = SampleReader(shards)
     for i, shard in enumerate(shards):

@@ -74,6 +74,34 @@ def test_a_tar_is_never_a_video(tmp_path, capsys):
     assert "video 0" in out and "image 3" in out
 
 
+def test_a_zero_byte_caption_member_is_no_caption_not_a_dropped_sample(tmp_path, capsys):
+    """img2dataset writes `KEY.txt` of zero bytes for a row whose caption is null (`str(caption) if
+    caption is not None else ""`). Before this fix the build dropped the whole sample (`empty`,
+    dropped-doc) and training on an index skipped it (`bad_sample`): every uncaptioned image of
+    such a set was lost. Now the image is a document alone, as without a txt member, and counted."""
+    import webdataset as wds
+
+    from omniloom.data.config import SourceConfig
+    from omniloom.data.prep.index import index_shards
+    from omniloom.data.stream.reader import SampleReader, resolve_source
+
+    shard = tmp_path / "00000.tar"
+    with wds.TarWriter(str(shard)) as w:
+        w.write({"__key__": "000000", "jpg": _image("JPEG", 0), "txt": "a caption", "json": {"caption": "a caption"}})
+        w.write({"__key__": "000001", "jpg": _image("JPEG", 1), "txt": "", "json": {"caption": None}})
+    rc, out, _ = _build(capsys, shard, "--out", tmp_path / "out")
+    assert rc == 0 and "empty-caption-member 1" in out, out
+    docs = {d["meta"]["wds_key"]: d for d in _docs(tmp_path / "out").values()}
+    assert [s["type"] for s in docs["000001"]["segments"]] == ["image"]
+    assert [s["type"] for s in docs["000000"]["segments"]] == ["image", "text"]
+    assert not (tmp_path / "out" / "rejects.jsonl").read_text().strip()
+    # read in place: the same image-only document, not a bad_sample skip
+    index_shards([str(shard)], str(tmp_path / "idx"))
+    shards = resolve_source(SourceConfig(path=str(tmp_path / "idx"))).shards
+    doc, media = SampleReader(shards).read_document(0, shards[0].keys.index("000001"))
+    assert doc["segments"] == [{"type": "image", "ref": "img0.jpg"}] and media["img0.jpg"] == _image("JPEG", 1)
+
+
 def test_a_sidecar_json_beside_a_medium_is_its_meta_not_a_code_document(tmp_path, capsys):
     src = tmp_path / "src" / "00000"  # an untarred img2dataset folder
     src.mkdir(parents=True)
