@@ -109,6 +109,13 @@ def _scan(shard: str, read) -> tuple[list, dict, str]:
     if local:
         st = os.stat(shard)
         stat = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if read is None:  # headers only: parsed directly, unless the tar holds what only tarfile reads
+            with open(shard, "rb") as f:
+                try:
+                    return [(key, start, end - start, members) for key, start, end, members
+                            in wds.groups_of(wds.plain_members(f, 0, st.st_size), None)], stat, ""
+                except wds.NotPlain:
+                    pass
         f = open(shard, "rb")
     else:
         from webdataset import gopen

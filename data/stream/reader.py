@@ -455,10 +455,13 @@ def _foreign_members(fileobj, shard: ShardInfo, i: int, where: str, stream: bool
     and checked against the index: another key there is `manifest_mismatch`, other member names
     or sizes `changed_shard`."""
     key = shard.keys[i]
-    tf = tarfile.open(fileobj=fileobj, mode="r|" if stream else "r:")
-    read = wds.member_reader(_wds_limits(shard.limits))
+    limits = _wds_limits(shard.limits)
     try:
-        found = next(wds.groups(tf, lambda ti, ext: read(ti, ext, tf)), None)
+        found = _plain_first_group(fileobj, limits) if isinstance(fileobj, _Window) and not stream else wds.NotPlain
+        if found is wds.NotPlain:  # a remote stream, or a tar only tarfile reads: tarfile, from the window's start
+            tf = tarfile.open(fileobj=fileobj, mode="r|" if stream else "r:")
+            read = wds.member_reader(limits)
+            found = next(wds.groups(tf, lambda ti, ext: read(ti, ext, tf)), None)
     except wds.Reject as rej:
         raise SampleError(_REJECT_REASONS.get(rej.code, "corrupt_tar"), f"{where}: {rej.reason}") from None
     except (tarfile.TarError, EOFError) as err:
@@ -477,6 +480,19 @@ def _foreign_members(fileobj, shard: ShardInfo, i: int, where: str, stream: bool
         raise SampleError("changed_shard", f"{where}: its members are now {seen[:200]!r}, {shard.members[i][:200]!r} when "
                                            "indexed: the shard changed since `omniloom data index`; index it again")
     return got, [(e, v) for e, v, _ in members]
+
+
+def _plain_first_group(window: _Window, limits: wds.ReadLimits):
+    """The first sample of a local window with its headers parsed directly (data/wds.py:
+    `plain_members`), or `wds.NotPlain` (the window rewound) where tarfile must read it."""
+    f = window.f
+    try:
+        found = next(wds.groups_of(wds.plain_members(f, window.start, window.stop), wds.plain_reader(f, limits)), None)
+    except wds.NotPlain:
+        window.seek(0)
+        return wds.NotPlain
+    window.pos = f.tell()
+    return found
 
 
 class SampleReader:
