@@ -257,6 +257,8 @@ _NONREG = frozenset(b"123456")  # links, devices, folders, fifos: no data follow
 _XHD, _LONGNAME = tarfile.XHDTYPE[0], tarfile.GNUTYPE_LONGNAME[0]
 _PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")  # tarfile's own record pattern
 _WRAPPER_MAX = 1 << 16  # a longer pax block or GNU long name is left to tarfile
+_OCTAL_FIELD = re.compile(rb" *[0-7]*[ \0]*")  # an octal field tarfile reads (its number ends at a space or NUL)
+_OTHER_NUMBERS = ((100, 108), (108, 116), (116, 124), (136, 148), (329, 337), (337, 345))  # mode uid gid mtime devmajor devminor
 _EVEN_BYTES = int.from_bytes(b"\xff\x00" * (tarfile.BLOCKSIZE // 2), "little")
 
 
@@ -336,6 +338,9 @@ def _plain_header(f, pos: int, start: int, stop: int):
                 return None
             raise NotPlain("checksum")
         typ, size = buf[156], _nti(buf[124:136])
+        for a, b in _OTHER_NUMBERS:  # tarfile refuses a header any of whose numbers does not parse
+            if not _OCTAL_FIELD.fullmatch(buf, a, b) and buf[a] not in (0o200, 0o377):
+                _nti(buf[a:b])
         data_at = pos + tarfile.BLOCKSIZE
         if typ == _XHD or typ == _LONGNAME:
             n = _block(size)
@@ -375,8 +380,9 @@ def _plain_header(f, pos: int, start: int, stop: int):
 
 def plain_members(f, start: int, stop: int) -> Iterator[PlainHeader]:
     """The members WebDataset reads (as `wds_members` filters them) of bytes [start, stop) of the
-    seekable binary file `f`, headers parsed directly (`_plain_header`). Raises NotPlain where only
-    tarfile can say what the bytes hold: read them again with tarfile."""
+    seekable binary file `f` (`stop` at most its size, as the reader bounds a window), headers
+    parsed directly (`_plain_header`). Raises NotPlain where only tarfile can say what the bytes
+    hold: read them again with tarfile."""
     pos = start
     while True:
         found = _plain_header(f, pos, start, stop)
