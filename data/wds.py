@@ -482,8 +482,8 @@ def map_sample(key: str, members: Members, *, caption_first: bool = False,
     without it such a sample is refused (`omniloom-sample`): an omniloom shard has its own manifest."""
     notes: Counter = Counter()
     meta: dict = {"wds_key": key}
-    seen = Counter(e for e, _ in members)
-    dup = sorted(e for e, n in seen.items() if n > 1)
+    exts = [e for e, _ in members]
+    dup = sorted(e for e, n in Counter(exts).items() if n > 1) if len(set(exts)) != len(exts) else None
     if dup:
         raise Reject("duplicate-member", f"sample {key} has several members with extension {dup[0]!r} (WebDataset refuses "
                                          "such a sample too); rewrite the shard with one member per extension")
