@@ -258,6 +258,10 @@ _XHD, _LONGNAME = tarfile.XHDTYPE[0], tarfile.GNUTYPE_LONGNAME[0]
 _PAX_RECORD = re.compile(rb"(\d+) ([^=]+)=")  # tarfile's own record pattern
 _WRAPPER_MAX = 1 << 16  # a longer pax block or GNU long name is left to tarfile
 _OCTAL_FIELD = re.compile(rb" *[0-7]*[ \0]*")  # an octal field tarfile reads (its number ends at a space or NUL)
+# The numbers as tarfile and GNU tar write them (mode uid gid size mtime chksum; devmajor devminor):
+# when both match, every number parses and the size and checksum are read straight off.
+_USUAL_NUMBERS = re.compile(rb"[0-7]{7}\0[0-7]{7}\0[0-7]{7}\0[0-7]{11}\0[0-7]{11}\0[0-7]{6}\0 ")
+_USUAL_DEVICE = re.compile(rb"(?:[0-7]{7}\0|\0{8}){2}")
 _OTHER_NUMBERS = ((100, 108), (108, 116), (116, 124), (136, 148), (329, 337), (337, 345))  # mode uid gid mtime devmajor devminor
 _EVEN_BYTES = int.from_bytes(b"\xff\x00" * (tarfile.BLOCKSIZE // 2), "little")
 
@@ -332,15 +336,20 @@ def _plain_header(f, pos: int, start: int, stop: int):
         buf = f.read(tarfile.BLOCKSIZE)
         if len(buf) != tarfile.BLOCKSIZE:
             raise NotPlain("short read")
+        usual = _USUAL_NUMBERS.fullmatch(buf, 100, 156) and _USUAL_DEVICE.fullmatch(buf, 329, 345)
         chk = buf[148:156]
-        if _nti(chk) != _byte_sum(buf) - sum(chk) + 256:  # tarfile also takes a signed sum: left to it
+        if (int(buf[148:154], 8) if usual else _nti(chk)) != _byte_sum(buf) - sum(chk) + 256:  # a signed sum: left to tarfile
             if buf == _ZERO_BLOCK and pos > start and wrappers is None:
                 return None
             raise NotPlain("checksum")
-        typ, size = buf[156], _nti(buf[124:136])
-        for a, b in _OTHER_NUMBERS:  # tarfile refuses a header any of whose numbers does not parse
-            if not _OCTAL_FIELD.fullmatch(buf, a, b) and buf[a] not in (0o200, 0o377):
-                _nti(buf[a:b])
+        typ = buf[156]
+        if usual:
+            size = int(buf[124:135], 8)
+        else:
+            size = _nti(buf[124:136])
+            for a, b in _OTHER_NUMBERS:  # tarfile refuses a header any of whose numbers does not parse
+                if not _OCTAL_FIELD.fullmatch(buf, a, b) and buf[a] not in (0o200, 0o377):
+                    _nti(buf[a:b])
         data_at = pos + tarfile.BLOCKSIZE
         if typ == _XHD or typ == _LONGNAME:
             n = _block(size)
