@@ -6,7 +6,9 @@ sample read in place is the same document a build copy of it holds (docs/data-fo
 - `split_key(name)`: WebDataset's (key, extension) of a member path.
 - `member_role(ext)`: what a member becomes (image, video, caption, json, meta, doc, other).
 - `ReadLimits` / `member_value`: the largest member read, by role, decided from its header.
-- `groups(tarfile)`: the samples of a tar (runs of members of one key), header by header.
+- `groups(tarfile)`: the samples of a tar (runs of members of one key), header by header;
+  `groups_of(plain_members(f, start, stop))` the same with the headers parsed directly (`NotPlain`
+  where only tarfile reads them: the caller reads the bytes again with tarfile).
 - `read_sample_at(path, offset, limits)`: one sample of a local uncompressed tar by offset.
 - `map_sample(key, members)`: a sample's members -> (segments, meta, notes); pure.
 - `document_from_sample(key, members)`: the (doc.json, media by ref) the stream trains on.
