@@ -393,9 +393,10 @@ def _bench_index(args) -> int:
     ix = index_vs_tar_tf(made["shards"], out)
     ld = loader_vs_webdataset(out, made["shards"])
     print(f"data index: {ix['index_s_per_shard'] * 1e3:.1f} ms/shard, tar -tf {ix['tar_tf_s_per_shard'] * 1e3:.1f} ms/shard "
-          f"({ix['ratio']:.2f}x the time; {len(made['shards'])} shards of {args.samples // len(made['shards'])} {args.image_size}px JPEG samples)")
+          f"({ix['ratio']:.2f}x the time; {len(made['shards'])} shards of {args.samples // len(made['shards'])} {args.image_size}px JPEG samples; "
+          f"medians of {ix['rounds']} alternating rounds)")
     print(f"loader on the index: {ld['loader_sps']:.0f} samples/s, webdataset decode rgb8: {ld['webdataset_sps']:.0f} samples/s "
-          f"({ld['ratio']:.2f}x; {ld['samples']} samples, 1 process each)")
+          f"({ld['ratio']:.2f}x; {ld['samples']} samples, 1 process each, warm cache; medians of {ld['rounds']} alternating rounds)")
     if not args.keep:
         import shutil
 

@@ -119,7 +119,8 @@ def write_json_atomic(path: str | os.PathLike, obj, *, indent: int | None = 1) -
     path = os.fspath(path)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=indent, ensure_ascii=False, allow_nan=False)
+        # dumps, not dump: the same text, but dump streams through the pure-Python encoder
+        f.write(json.dumps(obj, indent=indent, ensure_ascii=False, allow_nan=False))
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())

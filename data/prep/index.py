@@ -119,6 +119,13 @@ def _scan(shard: str, read) -> tuple[list, dict, str]:
     if local:
         st = os.stat(shard)
         stat = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if read is None:  # headers only: parsed directly, unless the tar holds what only tarfile reads
+            with open(shard, "rb") as f:
+                try:
+                    return [(key, start, end - start, members) for key, start, end, members
+                            in wds.groups_of(wds.plain_members(f, 0, st.st_size), None)], stat, ""
+                except wds.NotPlain:
+                    pass
         f = open(shard, "rb")
     else:
         from webdataset import gopen
@@ -310,18 +317,32 @@ def _run(args) -> int:
     return 0
 
 
-def index_vs_tar_tf(shards: list[str], out: str) -> dict:
-    """`data index` seconds per shard (headers only) against `tar -tf` of the same shards, best of 3."""
+def index_vs_tar_tf(shards: list[str], out: str, *, rounds: int = 5) -> dict:
+    """`data index` seconds per shard (headers only) against `tar -tf` of the same shards: one
+    untimed run of each, then `rounds` of both in alternating order; medians, and the median of the
+    rounds' ratios."""
+    import statistics
     import subprocess
 
-    def best(fn) -> float:
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times) / len(shards)
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) / len(shards)
 
-    ix = best(lambda: index_shards(shards, out, overwrite=True, echo=None))
-    tf = best(lambda: [subprocess.run(["tar", "-tf", s], check=True, capture_output=True) for s in shards])
-    return {"index_s_per_shard": ix, "tar_tf_s_per_shard": tf, "ratio": ix / max(tf, 1e-9)}
+    def index() -> float:
+        return timed(lambda: index_shards(shards, out, overwrite=True, echo=None))
+
+    def tar_tf() -> float:
+        return timed(lambda: [subprocess.run(["tar", "-tf", s], check=True, capture_output=True) for s in shards])
+
+    index(), tar_tf()  # warm-up, untimed
+    ix, tf = [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            ix.append(index())
+            tf.append(tar_tf())
+        else:
+            tf.append(tar_tf())
+            ix.append(index())
+    return {"index_s_per_shard": statistics.median(ix), "tar_tf_s_per_shard": statistics.median(tf), "rounds": rounds,
+            "ratio": statistics.median(a / b for a, b in zip(ix, tf))}

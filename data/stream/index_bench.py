@@ -25,8 +25,13 @@ def _rgb8(data: bytes):
         return np.asarray(im.convert("RGB"))
 
 
-def loader_vs_webdataset(index_dir: str, shards: list[str], *, rounds: int = 1) -> dict:
-    """{"loader_sps", "webdataset_sps", "ratio", "samples"} over one epoch of the indexed set."""
+def loader_vs_webdataset(index_dir: str, shards: list[str], *, rounds: int = 5) -> dict:
+    """{"loader_sps", "webdataset_sps", "ratio", "samples", "rounds"} over one epoch of the indexed
+    set: one untimed pass of each first (the file cache warm for both, imports and decoders
+    loaded), then `rounds` rounds of both, their order alternating so both see the same machine
+    load; the figures are medians, the ratio the median of the rounds' ratios."""
+    import statistics
+
     import webdataset as wds
 
     from omniloom.data.config import DataConfig, SourceConfig
@@ -43,19 +48,30 @@ def loader_vs_webdataset(index_dir: str, shards: list[str], *, rounds: int = 1) 
                 _rgb8(media[ref])
         return text_only({"segments": [s for s in doc["segments"] if s["type"] in ("text", "code")]}, {})
 
-    best_ref, best_loader, n = 0.0, 0.0, 0
-    for _ in range(rounds):
+    sets = [resolve_source(SourceConfig(path=index_dir))]
+    n = sets[0].num_samples
+    cfg = DataConfig(seq_len=4096, batch_size=1, num_workers=0, shuffle_buffer=16, pack_buffer=4)
+
+    def reference() -> float:
         t = time.perf_counter()
-        n_ref = 0
-        for sample in wds.WebDataset(shards, shardshuffle=False, empty_check=False).decode("rgb8"):
-            n_ref += 1
-        best_ref = max(best_ref, n_ref / (time.perf_counter() - t))
-        sets = [resolve_source(SourceConfig(path=index_dir))]
-        n = sets[0].num_samples
-        cfg = DataConfig(seq_len=4096, batch_size=1, num_workers=0, shuffle_buffer=16, pack_buffer=4)
+        n_ref = sum(1 for _ in wds.WebDataset(shards, shardshuffle=False, empty_check=False).decode("rgb8"))
+        return n_ref / (time.perf_counter() - t)
+
+    def loader() -> float:
         ws = WorkerStream(sets, cfg, tokenize, slot=0, num_slots=1, pad_id=3, patch_dim=text_only.tubelet_dim)
         t = time.perf_counter()
         while ws.docs < n:
             ws.next_batch()
-        best_loader = max(best_loader, ws.docs / (time.perf_counter() - t))
-    return {"samples": n, "loader_sps": best_loader, "webdataset_sps": best_ref, "ratio": best_loader / max(best_ref, 1e-9)}
+        return ws.docs / (time.perf_counter() - t)
+
+    reference(), loader()  # warm-up, untimed
+    refs, loads = [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            refs.append(reference())
+            loads.append(loader())
+        else:
+            loads.append(loader())
+            refs.append(reference())
+    return {"samples": n, "rounds": rounds, "loader_sps": statistics.median(loads), "webdataset_sps": statistics.median(refs),
+            "ratio": statistics.median(a / b for a, b in zip(loads, refs))}
