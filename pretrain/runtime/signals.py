@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import signal
+import threading
+import traceback
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class GracefulShutdown:
         self.signal_name = ""
         self._previous = {}
         self._interruptible = False
+        self._previous_hook = None
         self.repeat_stops_hard = (not under_launcher()) if repeat_stops_hard is None else repeat_stops_hard
 
     def install(self) -> "GracefulShutdown":
@@ -45,7 +48,22 @@ class GracefulShutdown:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (e.g. inside a test runner thread)
                 log.warning("cannot install a %s handler outside the main thread", sig.name)
+        if self._previous_hook is None:
+            self._previous_hook, threading.excepthook = threading.excepthook, self._thread_exception
         return self
+
+    def _thread_exception(self, args) -> None:
+        """A DataLoader worker stopped by the same signal can die in the middle of handing a shared
+        tensor over: this process's multiprocessing resource-sharer thread then fails on a broken
+        pipe and would print a traceback under the clean stop (seen under load). Once a stop is
+        requested that is the stop itself: one debug line. Every other thread error goes on to the
+        hook that was there before."""
+        sharer = any(frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "resource_sharer.py"))
+                     for frame, _ in traceback.walk_tb(args.exc_traceback))
+        if self.requested and sharer and issubclass(args.exc_type, (BrokenPipeError, ConnectionResetError, EOFError)):
+            log.debug("stopping: a loader worker left during a tensor hand-over (%s)", args.exc_value)
+            return
+        (self._previous_hook or threading.__excepthook__)(args)
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
@@ -80,3 +98,5 @@ class GracefulShutdown:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._previous_hook is not None and not self.requested:  # a stopping process keeps it to its end:
+            threading.excepthook, self._previous_hook = self._previous_hook, None  # its loader workers go last

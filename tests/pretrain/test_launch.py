@@ -304,3 +304,43 @@ def test_config_file_takes_a_shipped_configs_name_from_any_folder(tmp_path, monk
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "no shipped accelerate config" in err and "cpu_2proc, ep_8gpu" in err, err
     assert "did you mean 'cpu_2proc'" in err and seen == [str(CPU_2PROC)] * 3 + [str(own)]
+
+
+def test_a_loader_worker_gone_mid_handover_is_no_traceback_once_stopping(monkeypatch):
+    """Under load a DataLoader worker stopped by the same SIGTERM could die while this process's
+    multiprocessing resource-sharer thread handed it a tensor: a BrokenPipe traceback printed under a
+    clean stop (seen in test_sigterm_under_omniloom_launch_saves_and_exits_0). Once a stop is
+    requested that thread's pipe errors are the stop itself; other thread errors still reach the
+    hook that was there before."""
+    import threading
+
+    from omniloom.pretrain.runtime.signals import GracefulShutdown
+
+    printed = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_type))
+    code = compile("def serve():\n    raise BrokenPipeError(32, 'Broken pipe')\n",
+                   os.path.join("x", "multiprocessing", "resource_sharer.py"), "exec")
+    scope = {}
+    exec(code, scope)
+
+    def other():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def thread_error(fn):  # what threading.excepthook gets when a thread ends with fn's error
+        try:
+            fn()
+        except BrokenPipeError as err:
+            threading.excepthook(threading.ExceptHookArgs((type(err), err, err.__traceback__, None)))
+
+    stop = GracefulShutdown(repeat_stops_hard=False)
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)
+    stop.install()
+    thread_error(scope["serve"])  # no stop requested yet: a real error
+    assert printed == [BrokenPipeError]
+    stop.requested = True
+    thread_error(scope["serve"])
+    assert printed == [BrokenPipeError]
+    thread_error(other)  # not the resource sharer
+    assert printed == [BrokenPipeError, BrokenPipeError]
+    stop.restore()
+    assert threading.excepthook == stop._thread_exception  # a stopping process keeps it to its end
