@@ -1,13 +1,20 @@
 """`omniloom data index` on remote shards (issue 38): foreign WebDataset shards served over HTTP by
 a local server, and read through a `pipe:` command, index to the samples and byte offsets a local
-index finds and train on the same batches."""
+index finds and train on the same batches; a run on an index killed with SIGKILL and resumed
+trains each document of the epoch exactly once (`logging.data_trace`)."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import io
 import json
+import os
+import subprocess
+import sys
 import threading
+import time
+from collections import Counter
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -19,6 +26,10 @@ from omniloom.data.stream.loader import build_loader
 from omniloom.pretrain.cli import main
 
 wds = pytest.importorskip("webdataset")
+
+_spec = importlib.util.spec_from_file_location("proctree", Path(__file__).resolve().parents[1] / "support" / "proctree.py")
+_proctree = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_proctree)
 
 _WORDS = ("red green blue yellow cat dog horse bird river mountain city street night morning portrait painting "
           "sunset forest beach window garden kitchen bicycle train station market bridge castle flower").split()
@@ -177,3 +188,66 @@ def test_index_through_a_pipe_command_trains_on_the_same_batches(laion, local_in
     assert [s["url"] for s in man["shards"]] == [f"pipe:cat {shards}/laion-00000{i}.tar" for i in (0, 1)]
     _same_index_and_batches(out, local_index, laion / "tok")
 
+
+_TINY = ["data.seq_len=128", "data.batch_size=1", "data.num_workers=0", "data.shuffle_buffer=4", "data.pack_buffer=4",
+         "model.dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.rope_sections=[8,12,12]",
+         "model.attention.window=64", "model.attention.block_size=16", "model.moe.expert_dim=64", "model.moe.dense_dim=128",
+         "optim.warmup_steps=1", "train.eval_every=0", "checkpoint.every=2", "logging.every=1", "logging.tensorboard=false",
+         "logging.data_trace=true"]
+
+
+def _train_argv(run: Path, idx: Path, tok: Path, steps: int, *extra: str) -> list[str]:
+    return ["-m", "omniloom.pretrain.train", "--config", "tiny", "--run-dir", str(run), "--no-progress",
+            f"data.sources=[{{path: {idx}}}]", f"data.tokenizer={tok}", *_TINY, f"train.num_steps={steps}", *extra]
+
+
+def _trace(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "data_trace" / "rank00000.jsonl").read_text().splitlines()]
+
+
+def test_a_run_on_an_index_killed_and_resumed_trains_each_document_of_the_epoch_once(laion, local_index, tmp_path):
+    from omniloom.pretrain.checkpoint.manager import latest_checkpoint, step_of
+    from omniloom.pretrain.rundir import read_metrics
+
+    steps_total, tok = 16, laion / "tok"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+
+    def steps():
+        path = run / "metrics.jsonl"
+        return [r["step"] for r in read_metrics(path) if "loss" in r] if path.exists() else []
+
+    proc = subprocess.Popen([sys.executable, *_train_argv(run, local_index, tok, steps_total)], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and max(steps(), default=0) < 3:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.02)
+        _proctree.kill_tree(proc.pid)  # no chance to save
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            _proctree.kill_tree(proc.pid)
+    killed_at = max(steps())
+    saved = step_of(latest_checkpoint(run / "checkpoints"))
+    assert 2 <= saved <= killed_at < steps_total, (saved, killed_at)
+    old = len(_trace(run))
+    for path, extra in ((run, ["checkpoint.resume=auto"]), (ref, [])):
+        done = subprocess.run([sys.executable, *_train_argv(path, local_index, tok, steps_total, *extra)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-4000:]
+    lines = _trace(run)
+    resumed = [x for x in lines[:old] if x["step"] <= saved] + lines[old:]
+    assert all(x["step"] > saved for x in lines[old:])
+    # step for step, the killed and resumed run trained on what the uninterrupted one did
+    assert [x["step"] for x in resumed] == list(range(1, steps_total + 1))
+    assert resumed == _trace(ref)
+    pieces = [(tuple(r), i) for x in resumed for r, i in x["pieces"]]
+    assert any(r[1] == 0 for r, _ in pieces[sum(len(x["pieces"]) for x in resumed if x["step"] <= saved):]), \
+        "the checkpoint was not in the middle of epoch 0"
+    epoch0 = Counter(p for p in pieces if p[0][1] == 0)
+    assert max(epoch0.values()) == 1, "a piece of epoch 0 was trained on twice"
+    assert {r[2] for r, _ in epoch0} == set(range(12)), "a document of epoch 0 was never trained on"
+    assert any(r[1] == 1 for r, _ in pieces), "the runs must get past epoch 0"
