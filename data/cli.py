@@ -37,7 +37,12 @@ inputs:
                                   caption when there is no text member; an OBELICS texts/images json with its
                                   images as members -> one interleaved document), cls and small text members ->
                                   meta, anything else counted as unmapped:EXT; a tar is never a video.
-                                  Patterns: 'shard-{000000..000099}.tar' (quote it)
+                                  Patterns: 'shard-{000000..000099}.tar' (quote it). Remote shards as for
+                                  training: 'http(s)://HOST/laion/{000000..000099}.tar' and 'pipe:CMD' (a
+                                  command printing the tar, e.g. 'pipe:aws s3 cp s3://b/laion/x.tar -'),
+                                  read front to back through webdataset's gopen (twice: at discovery and
+                                  at the build), like a compressed tar; their keys are those of a local
+                                  copy in a folder of the same name (laion/). Only tars are read remotely.
     .parquet (files, folders)  -> one document per row, as datasets / the Hugging Face Hub write it; columns from
                                   the file's huggingface features metadata, else Arrow types: Image columns and
                                   lists of them ({bytes, path}) -> images, the text column (--text-column; else
@@ -101,7 +106,8 @@ def register(sub) -> None:
     b = dsub.add_parser("build", help="validate inputs and write shards + manifest + rejects",
                         description="Validate every input and write WebDataset shards, manifest.json and rejects.jsonl.",
                         epilog=_BUILD_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("sources", nargs="+", metavar="SOURCE", help="folders (walked recursively) or single files (.jsonl, .html, ...)")
+    b.add_argument("sources", nargs="+", metavar="SOURCE", help="folders (walked recursively), single files (.jsonl, .html, ...), "
+                   "or tar shards by brace pattern, http(s):// URL or pipe: command")
     b.add_argument("--out", required=True, help="output folder for shards, manifest.json, rejects.jsonl")
     b.add_argument("--name", default="data", help="shard name prefix: NAME-000000.tar (default: data)")
     b.add_argument("--workers", type=int, default=1, help="processes that decode and validate (output is identical for any value; default 1)")

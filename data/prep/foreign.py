@@ -15,6 +15,12 @@ process reads them front to back again, handing each sample's members to a worke
 (`PayloadFiller`). Either way a member is read only when its header says it fits its limit
 (images --max-image-bytes, videos --max-video-bytes, the rest --max-text-bytes; small unknown
 members up to `SMALL_MEMBER` bytes), so a hostile header cannot size an allocation.
+
+A remote shard (an http(s):// URL, a `pipe:` command; `is_remote`) is read like a compressed tar,
+front to back through webdataset's `gopen` (the training stream's transport), twice: at discovery
+and by the build's main process. Its name is the shard file name the URL's path or the command
+names (`remote_name`): the unit's `rel` is that file name and its label that name's folder, as
+for a local shard, so a URL's samples keep the keys a local copy of the same folder gives.
 """
 
 from __future__ import annotations
@@ -39,6 +45,84 @@ from .validate import parse_input_document
 def is_tar_name(name: str) -> bool:
     """A foreign shard by its name: `.tar`, or a compressed tar (`.tar.gz`, `.tgz`, `.tar.zst`, ...)."""
     return split_compression(name)[0].lower().endswith(".tar")
+
+
+REMOTE_PREFIXES = ("http://", "https://", "pipe:", "gs://", "s3://")
+
+
+def is_remote(src: str) -> bool:
+    """An http(s), gs, s3 URL or a `pipe:` command (read through webdataset's gopen), unless a
+    local file of that name exists."""
+    return src.startswith(REMOTE_PREFIXES) and not os.path.exists(src)
+
+
+def remote_name(src: str) -> str:
+    """The shard file a remote source names, as a '/'-path: a URL's path (no query), or for a
+    `pipe:` command the last of its words that names a tar (a path or a URL). Raises ValueError,
+    in one line naming what is supported, when that is not a WebDataset tar."""
+    import posixpath
+    import shlex
+    from urllib.parse import urlsplit
+
+    def path_of(word: str) -> str:
+        return urlsplit(word).path if "://" in word else word
+
+    supported = ("only WebDataset tar shards (.tar, .tar.gz, .tgz, .tar.zst, .tar.bz2, .tar.xz) are read from http(s):// URLs "
+                 "and pipe: commands; download anything else and pass its path")
+    if src.startswith("pipe:"):
+        try:
+            words = shlex.split(src[5:])
+        except ValueError:
+            words = src[5:].split()
+        name = next((path_of(w) for w in reversed(words) if is_tar_name(path_of(w))), "")
+        if not name:
+            raise ValueError(f"source '{src}': the pipe: command names no tar shard (e.g. 'pipe:cat /data/x.tar'); {supported}")
+    else:
+        name = path_of(src)
+        if not is_tar_name(name):
+            raise ValueError(f"source '{src}' is not a tar shard: {supported}")
+    return posixpath.normpath(name)
+
+
+class RemoteStream:
+    """A forward binary stream of a remote shard's (decompressed, by its name) bytes, through
+    webdataset's gopen. Leaving it normally reads the transport to its end and checks how it
+    ended (a command's or curl's exit status); leaving it early (an error, a generator closed)
+    cuts the transport, and a cut command's SIGPIPE status is no error."""
+
+    def __init__(self, url: str, name: str):
+        from webdataset import gopen
+
+        self.raw = gopen(url, "rb")
+        comp = split_compression(name)[1]
+        if comp == "zstd":
+            import zstandard
+
+            self.f = zstandard.ZstdDecompressor().stream_reader(self.raw, read_across_frames=True, closefd=False)
+        elif comp:
+            import bz2
+            import gzip
+            import lzma
+
+            self.f = {"gzip": lambda r: gzip.GzipFile(fileobj=r, mode="rb"), "bz2": bz2.BZ2File, "xz": lzma.LZMAFile}[comp](self.raw)
+        else:
+            self.f = self.raw
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, etype, value, tb):
+        if etype is None:
+            while self.raw.read(1 << 20):  # the end-of-archive blocks and padding: the transport ends cleanly
+                pass
+            self.raw.close()  # a failed command or download raises here
+            return False
+        try:
+            self.raw.close()
+        except Exception as err:  # noqa: BLE001 - the command's own status, if it failed rather than was cut
+            if etype is not GeneratorExit and getattr(self.raw, "status", None) not in (-13, 141):
+                raise err from value
+        return False
 
 
 def expand_sources(sources: list[str]) -> list[str]:
@@ -69,13 +153,14 @@ class FoundSample:
     size: int
 
 
-def scan_tar(path: str) -> tuple[list[FoundSample], str]:
-    """The samples of the tar at `path` from its headers (compressed: read front to back), and ""
-    or what stopped the scan early (a corrupt or truncated tar: the samples before it are kept)."""
-    compressed = bool(split_compression(path)[1])
+def scan_tar(path: str, url: str = "") -> tuple[list[FoundSample], str]:
+    """The samples of the tar at `path` from its headers (compressed, or remote at `url`: read
+    front to back), and "" or what stopped the scan early (a corrupt or truncated tar, a transport
+    that failed: the samples before it are kept)."""
+    compressed = bool(url) or bool(split_compression(path)[1])
     found: list[FoundSample] = []
     try:
-        with open_input(path) if compressed else open(path, "rb") as f:
+        with RemoteStream(url, path) if url else open_input(path) if compressed else open(path, "rb") as f:
             tf = tarfile.open(fileobj=f, mode="r|" if compressed else "r:")
             prev = None
             for key, start, end, members in _groups(tf, None):
@@ -95,26 +180,29 @@ def scan_tar(path: str) -> tuple[list[FoundSample], str]:
     return found, ""
 
 
-def tar_units(source: str, root: str, rel: str) -> list:
-    """Discovery: one `Unit` (kind "wds") per sample of the foreign shard `root/rel`, plus a
-    reject unit when the tar is corrupt or truncated part way (the samples before it are kept)."""
-    import os
-
-
-    found, problem = scan_tar(os.path.join(root, rel))
+def tar_units(source: str, root: str, rel: str, url: str = "") -> list:
+    """Discovery: one `Unit` (kind "wds") per sample of the foreign shard `root/rel` (or of the
+    remote shard `url`, named `rel`), plus a reject unit when the tar is corrupt or truncated part
+    way (the samples before it are kept)."""
+    found, problem = scan_tar(rel if url else os.path.join(root, rel), url)
     units, repeats = [], Counter()
     for smp in found:
         # A key that comes back later in the tar is another sample for WebDataset too: keep both.
         repeats[smp.key] += 1
         name = smp.key if repeats[smp.key] == 1 else f"{smp.key}~{repeats[smp.key]}"
         units.append(Unit(source=source, root=root, rel=rel, kind="wds", sample=name, line=smp.ordinal, offset=smp.offset,
-                          length=smp.length or smp.size))
-    if problem:
-        units.append(Unit(source=source, root=root, rel=rel, kind="reject", code="corrupt-tar",
+                          length=smp.length or smp.size, url=url))
+    if problem and url:  # a transport that failed (a download, a command) or a tar that breaks: told apart by its words
+        units.append(Unit(source=source, root=root, rel=rel, url=url, kind="reject", code="corrupt-tar",
+                          reason=f"reading the remote tar stopped after {len(found)} samples ({problem[:200]}); those were kept, "
+                                 "the rest is lost: check that the URL or command prints the whole tar (it is read again by the "
+                                 "build), or re-download or rewrite the shard"))
+    elif problem:
+        units.append(Unit(source=source, root=root, rel=rel, url=url, kind="reject", code="corrupt-tar",
                           reason=f"the tar stops parsing after {len(found)} samples ({problem[:200]}); those were kept, "
                                  "the rest is lost: re-download or rewrite the shard"))
     elif not found:
-        units.append(Unit(source=source, root=root, rel=rel, kind="reject", code="empty",
+        units.append(Unit(source=source, root=root, rel=rel, url=url, kind="reject", code="empty",
                           reason="the tar holds no WebDataset samples (no regular member named KEY.EXT)"))
     return units
 
@@ -136,13 +224,11 @@ class PayloadFiller:
         return [replace(u, payload=self._get(u)) if _streamed(u) else u for u in units]
 
     def _get(self, unit):
-        import os
-
-        path = os.path.join(unit.root, unit.rel)
+        path = unit.url or os.path.join(unit.root, unit.rel)
         if self.path != path or unit.line <= self.pos:
             self.close()
             self.path, self.pos = path, 0
-            self.it = self._open(unit.kind, path)
+            self.it = self._open(unit.kind, path, unit.rel if unit.url else "")
         try:
             for pos, value in self.it:
                 self.pos = pos
@@ -155,12 +241,13 @@ class PayloadFiller:
             return rej
         except Exception as err:  # noqa: BLE001 - tarfile, gzip, lzma and zstd errors alike
             self.close()
-            return Reject("corrupt-compressed", f"{unit.rel} stops decompressing or parsing before this item ({type(err).__name__}: {err}); re-download it")
+            return Reject("corrupt-compressed", f"{unit.url or unit.rel} stops decompressing or parsing before this item ({type(err).__name__}: {err}); re-download it")
         self.close()
-        return Reject("missing", f"{unit.rel} no longer holds item {unit.line}: it changed since the build started; rerun with --overwrite")
+        return Reject("missing", f"{unit.url or unit.rel} no longer holds item {unit.line}: it changed since the build started; rerun with --overwrite")
 
-    def _open(self, kind: str, path: str):
-        """A generator of (item number, payload) over the file, closing it when done or closed."""
+    def _open(self, kind: str, path: str, remote_name: str = ""):
+        """A generator of (item number, payload) over the file (a remote shard when `remote_name`:
+        `path` is its URL), closing it when done or closed."""
         if kind == "jsonl":
 
             with open_input(path) as f:
@@ -168,7 +255,7 @@ class PayloadFiller:
                     yield n, raw if raw is not None else Reject("too-large", f"line {n} is above --max-text-bytes {self.max_line}")
             return
         read = _reader(self.limits)
-        with open_input(path) as f:
+        with RemoteStream(path, remote_name) if remote_name else open_input(path) as f:
             tf = tarfile.open(fileobj=f, mode="r|")
             for n, (key, _, _, members) in enumerate(_groups(tf, lambda ti, ext: read(ti, ext, tf)), start=1):
                 yield n, (key, [(e, v) for e, v, _ in members])
@@ -180,7 +267,7 @@ class PayloadFiller:
 
 
 def _streamed(unit) -> bool:
-    return unit.kind in ("wds", "jsonl") and bool(split_compression(unit.rel)[1])
+    return unit.kind in ("wds", "jsonl") and (bool(unit.url) or bool(split_compression(unit.rel)[1]))
 
 
 def load_foreign_sample(unit, st, notes: Counter, meta: dict, decode) -> tuple[list[dict], dict]:

@@ -15,10 +15,11 @@ import binascii
 import json
 import logging
 import os
+import posixpath
 from collections import Counter
 from dataclasses import replace
 
-from .foreign import expand_sources, is_tar_name, load_foreign_sample, member_data, tar_units
+from .foreign import expand_sources, is_remote, is_tar_name, load_foreign_sample, member_data, remote_name, tar_units
 from .html_doc import extract_html, local_refs
 from .media import still_image_format, validate_still, validate_video
 from .parquet import is_parquet_name, load_parquet_row, parquet_units
@@ -71,7 +72,8 @@ NOTICE_CODES = ("encoding-detected", "non-finite-number")
 def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenced: bool = False, max_text_bytes: int = 16 << 20,
              undeclared_encoding: str = "detect", include_hidden: bool = False, skipped: Counter | None = None,
              parquet_columns: tuple = ("", ())) -> list[Unit]:
-    """Walk `sources` (folders, or single files) into units in a deterministic order.
+    """Walk `sources` (folders, single files, or remote tar shards: http(s) URLs and pipe:
+    commands, `foreign.is_remote`) into units in a deterministic order.
 
     Hidden files and folders (dot-names) and caches (`__pycache__` folders, `.pyc`/`.pyo` files)
     are skipped and counted in `skipped` ("hidden", "cache") unless `include_hidden`; the
@@ -99,6 +101,16 @@ def discover(sources: list[str], *, exclude: list[str] = (), standalone_referenc
     seen_real: dict[str, str] = {}
     labels = Counter()
     for source in expand_sources(sources):
+        if is_remote(source):  # an http(s) URL or pipe: command: one tar shard, read front to back (foreign.py)
+            name = remote_name(source)
+            if source in seen_real:
+                raise ValueError(f"source {source} is given twice; pass each source once")
+            seen_real[source] = source
+            base = posixpath.basename(posixpath.dirname(name)) or "root"  # as for a local shard: its folder's name
+            labels[base] += 1
+            label = base if labels[base] == 1 else f"{base}~{labels[base]}"
+            units.extend(replace(u, label=label) for u in tar_units(source, "", posixpath.basename(name), url=source))
+            continue
         if not os.path.exists(source) and not os.path.islink(source):
             raise FileNotFoundError(f"source {source} does not exist; pass folders or files to build from")
         real = os.path.realpath(source)

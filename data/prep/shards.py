@@ -33,6 +33,7 @@ from omniloom.data.manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir
 from omniloom.data.outlock import OutputLock
 from omniloom.data.progress import bar_wanted, hms
 
+from .foreign import is_remote
 from .ingest import discover, process_unit
 from .units import IngestSettings, Unit
 from .validate import json_safe, printable
@@ -242,7 +243,7 @@ def build(
 def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_max_bytes, dedup, ingest,
                   standalone_referenced, overwrite, progress, progress_seconds, include_hidden, shuffle, t0) -> dict:
     settings = {
-        "sources": [printable(os.path.normpath(s)) for s in sources],
+        "sources": [printable(s if is_remote(s) else os.path.normpath(s)) for s in sources],  # a URL keeps its '//'
         "name": name,
         "part": list(part),
         "shard_max_docs": shard_max_docs,
@@ -266,11 +267,12 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
     if shuffle is not None:
         from .foreign import _streamed
 
-        packed = sorted({u.rel for u in units if _streamed(u)})
+        packed = sorted({u.url or u.rel for u in units if _streamed(u)})
         if packed:
-            raise ValueError(f"--shuffle needs to read inputs in any order, and compressed inputs ({packed[0]}"
+            raise ValueError(f"--shuffle needs to read inputs in any order, and compressed or remote inputs ({packed[0]}"
                              f"{f' and {len(packed) - 1} more' if len(packed) > 1 else ''}) can only be read front to back: "
-                             "decompress them first (gunzip / zstd -d / xz -d keep the format), or build without --shuffle")
+                             "decompress them first (gunzip / zstd -d / xz -d keep the format) and download remote shards, "
+                             "or build without --shuffle")
         rowgroups = sorted({u.rel for u in units if u.kind == "parquet"})
         if rowgroups:  # a row group is read whole: in shuffled order each row would read its group again
             raise ValueError(f"--shuffle reads inputs in any order, and parquet files ({rowgroups[0]}"

@@ -65,6 +65,7 @@ class Unit:
     label: str = ""  # the source's name in `meta.source` and keys: its folder name, made unique
     sample: str = ""  # kind wds: the sample's WebDataset key in the tar `rel` (line: its ordinal)
     meta_sidecar: str = ""  # a STEM.json beside a medium whose caption is STEM.txt: its meta
+    url: str = ""  # a remote shard (http(s) URL, pipe: command; foreign.is_remote): read through gopen, root ""
     payload: object = field(default=None, compare=False, repr=False)  # a compressed input's bytes (foreign.PayloadFiller)
 
     @property
@@ -77,7 +78,10 @@ class Unit:
 
     @property
     def display(self) -> str:
-        """The path as a person finds it: the SOURCE as given joined with the relative path."""
+        """The path as a person finds it: the SOURCE as given joined with the relative path (a
+        remote shard: its URL or pipe: command)."""
+        if self.url:
+            return self.url + self._where
         base = self.source if os.path.isdir(self.source) else os.path.dirname(self.source)
         return os.path.join(base, self.rel) + self._where
 
