@@ -4,6 +4,8 @@
     ingest.py      discover inputs, one input unit -> one validated document
     foreign.py     WebDataset tars written by other tools (img2dataset, video2dataset)
     textcorpus.py  {"text"} JSONL corpora and compressed inputs (.gz .zst .bz2 .xz)
+    parquet.py     parquet as `datasets` and the Hub write it
+    index.py       `data index`: foreign shards indexed in place (the stream reads them)
     sniff.py       what a file name does not say: earlier builds, probed media, animated images
     validate.py    text policy, JSONL layouts, fingerprints, paths kept inside their root
     media.py       image and video validation;  textenc.py  encodings;  html_doc.py  HTML pages

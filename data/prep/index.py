@@ -30,17 +30,13 @@ from collections import Counter
 from omniloom.data import wds
 from omniloom.data.manifest import FORMAT, MANIFEST, REJECTS, VERSION, write_json_atomic
 
-from .foreign import expand_sources, is_tar_name
+from .foreign import expand_sources, is_remote, is_tar_name
 from .textcorpus import split_compression
 from .units import IngestSettings, Unit
 
 log = logging.getLogger(__name__)
 
 _MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"))
-
-
-def _remote(src: str) -> bool:
-    return src.startswith(("http://", "https://", "pipe:", "gs://", "s3://")) and not os.path.exists(src)
 
 
 def find_shards(sources: list[str], skipped: Counter | None = None) -> list[str]:
@@ -54,7 +50,7 @@ def find_shards(sources: list[str], skipped: Counter | None = None) -> list[str]
     skipped = Counter() if skipped is None else skipped
     shards = []
     for src in expand_sources(sources):
-        if _remote(src):
+        if is_remote(src):
             shards.append(src)
         elif os.path.isdir(src):
             if os.path.exists(os.path.join(src, MANIFEST)):
@@ -86,7 +82,7 @@ def find_shards(sources: list[str], skipped: Counter | None = None) -> list[str]
 
 def _refuse_compressed(shard: str) -> None:
     kind = split_compression(shard.split("?")[0])[1]
-    if not kind and not _remote(shard):
+    if not kind and not is_remote(shard):
         with open(shard, "rb") as f:
             head = f.read(tarfile.BLOCKSIZE)
         try:  # a first block that is a tar header is a tar, whatever its first bytes spell
@@ -115,7 +111,7 @@ def _scan(shard: str, read) -> tuple[list, dict, str]:
     """([(key, offset, length, [(ext, value, size)])], {bytes, mtime_ns}, "" or what stopped the
     scan). `read` is None (headers only) or `groups`' member reader."""
     found, problem, stat = [], "", {"bytes": -1, "mtime_ns": -1}
-    local = not _remote(shard)
+    local = not is_remote(shard)
     if local:
         st = os.stat(shard)
         stat = {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -200,7 +196,7 @@ def index_shards(sources: list[str], out: str, *, settings: IngestSettings | Non
     if validate:
         from .ingest import process_unit
     for n, shard in enumerate(shards, 1):
-        url = shard if _remote(shard) else os.path.abspath(shard)
+        url = shard if is_remote(shard) else os.path.abspath(shard)
         name = os.path.basename(shard.split("?")[0]) or f"shard{n}"
         names[name] += 1
         name = name if names[name] == 1 else f"{name}~{names[name]}"  # names are unique in a manifest
@@ -211,7 +207,7 @@ def index_shards(sources: list[str], out: str, *, settings: IngestSettings | Non
             refusal = _header_refusal(key, members)
             if refusal is None and validate:
                 repeats[key] += 1
-                root, rel = (os.path.dirname(url), os.path.basename(url)) if not _remote(shard) else ("", shard)
+                root, rel = (os.path.dirname(url), os.path.basename(url)) if not is_remote(shard) else ("", shard)
                 unit = Unit(source=shard, root=root, rel=rel, kind="wds", label=os.path.basename(out.rstrip("/")) or "index",
                             sample=key if repeats[key] == 1 else f"{key}~{repeats[key]}", line=ordinal, offset=offset,
                             length=length, payload=(key, [(e, v) for e, v, _ in members]))
