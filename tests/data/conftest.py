@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -78,3 +82,80 @@ def check_workers_and_parts(tmp_path):
         return a
 
     return check
+
+
+class _Handler(SimpleHTTPRequestHandler):
+    """A folder served read-only, every GET recorded as (path, Range header)."""
+
+    requests: list
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.requests.append((self.path, self.headers.get("Range")))
+        super().do_GET()
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@contextlib.contextmanager
+def serve_folder(folder):
+    """A threaded http.server on 127.0.0.1 serving `folder`; yields (base URL, requests). Shut down
+    on exit, and by itself after 5 minutes whatever happens."""
+    handler = type("H", (_Handler,), {"requests": []})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
+    srv.daemon_threads = True
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    guard = threading.Timer(300, srv.shutdown)
+    guard.daemon = True
+    guard.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}", handler.requests
+    finally:
+        guard.cancel()
+        srv.shutdown()
+        srv.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def http_folder():
+    """`serve_folder` for module-scoped server fixtures: `with http_folder(path) as (url, requests)`."""
+    return serve_folder
+
+
+@pytest.fixture
+def no_proxy(monkeypatch):
+    """curl (under webdataset's gopen) must reach the local server directly."""
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+
+
+@pytest.fixture(scope="session")
+def loader_cfg():
+    """`cfg(path, tokenizer, **overrides)`: a small DataConfig over one source named "s"."""
+    from omniloom.data.config import DataConfig, SourceConfig
+
+    def cfg(path, tok, **kw):
+        base = dict(seq_len=96, batch_size=2, num_workers=0, shuffle_buffer=3, pack_buffer=3, seed=7, tokenizer=str(tok))
+        base.update(kw)
+        return DataConfig(sources=[SourceConfig(path=str(path), name="s")], **base)
+
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def take_batches():
+    """`take(loader, n)`: the first n batches' tensors, cloned."""
+
+    def take(loader, n):
+        out = []
+        for batch in loader:
+            out.append({k: v.clone() for k, v in batch.__dict__.items() if hasattr(v, "clone")})
+            if len(out) == n:
+                break
+        return out
+
+    return take

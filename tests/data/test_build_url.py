@@ -7,12 +7,9 @@ resumes to the bytes of an unbroken one; anything but a tar is refused in one li
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import os
-import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -46,17 +43,6 @@ def write_laion(folder: Path, shards: int = 2, per: int = 6) -> list[Path]:
     return paths
 
 
-class _Handler(SimpleHTTPRequestHandler):
-    requests: list
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        self.requests.append((self.path, self.headers.get("Range")))
-        super().do_GET()
-
-    def log_message(self, *args):  # quiet
-        pass
-
-
 @pytest.fixture(scope="module")
 def laion(tmp_path_factory):
     root = tmp_path_factory.mktemp("remote")
@@ -65,34 +51,15 @@ def laion(tmp_path_factory):
     return root
 
 
+
 @pytest.fixture(scope="module")
-def server(laion):
-    """A threaded http.server on 127.0.0.1 serving the folder above `laion/`; shut down after the
-    module's tests, and by itself after 5 minutes whatever happens."""
-    handler = type("H", (_Handler,), {"requests": []})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(laion)))
-    srv.daemon_threads = True
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    guard = threading.Timer(300, srv.shutdown)
-    guard.daemon = True
-    guard.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_port}", handler.requests
-    finally:
-        guard.cancel()
-        srv.shutdown()
-        srv.server_close()
-        thread.join(timeout=10)
+def server(laion, http_folder):
+    """The folder above `laion/`, served on 127.0.0.1 for the module's tests."""
+    with http_folder(laion) as served:
+        yield served
 
 
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch):
-    """curl (under webdataset's gopen) must reach the local server directly."""
-    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 
 def _shard_files(out: Path) -> dict[str, bytes]:

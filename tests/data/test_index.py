@@ -125,25 +125,10 @@ def built_and_indexed(data, tmp_path_factory):
     return work
 
 
-def _cfg(path, tok, **kw):
-    base = dict(seq_len=96, batch_size=2, num_workers=0, shuffle_buffer=3, pack_buffer=3, seed=7, tokenizer=str(tok))
-    base.update(kw)
-    return DataConfig(sources=[SourceConfig(path=str(path), name="s")], **base)
-
-
-def _batches(loader, n):
-    out = []
-    for batch in loader:
-        out.append({k: v.clone() for k, v in batch.__dict__.items() if hasattr(v, "clone")})
-        if len(out) == n:
-            return out
-    return out
-
-
-def test_indexed_set_gives_the_same_batches_as_a_build_copy(built_and_indexed):
+def test_indexed_set_gives_the_same_batches_as_a_build_copy(built_and_indexed, loader_cfg, take_batches):
     work = built_and_indexed
-    a = _batches(build_loader(_cfg(work / "idx", work / "tok")), 6)
-    b = _batches(build_loader(_cfg(work / "built", work / "tok")), 6)
+    a = take_batches(build_loader(loader_cfg(work / "idx", work / "tok")), 6)
+    b = take_batches(build_loader(loader_cfg(work / "built", work / "tok")), 6)
     assert len(a) == len(b) == 6
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
@@ -152,9 +137,9 @@ def test_indexed_set_gives_the_same_batches_as_a_build_copy(built_and_indexed):
     assert any(bool((x["modality"] == 2).any()) for x in a)  # images made it through
 
 
-def test_exact_and_elastic_resume_on_an_index(built_and_indexed):
+def test_exact_and_elastic_resume_on_an_index(built_and_indexed, loader_cfg):
     work = built_and_indexed
-    cfg = _cfg(work / "idx", work / "tok", num_workers=2)
+    cfg = loader_cfg(work / "idx", work / "tok", num_workers=2)
     full = [b.digest() for b in _take(build_loader(cfg), 7)]
     first = build_loader(cfg)
     head = [b.digest() for b in _take(first, 3)]
@@ -163,7 +148,7 @@ def test_exact_and_elastic_resume_on_an_index(built_and_indexed):
     resumed.load_state_dict(state)
     assert head + [b.digest() for b in _take(resumed, 4)] == full
     # another worker count: the rest of the epoch redistributed, every sample still read
-    other = build_loader(_cfg(work / "idx", work / "tok", num_workers=1))
+    other = build_loader(loader_cfg(work / "idx", work / "tok", num_workers=1))
     other.load_state_dict([state])
     assert len(_take(other, 3)) == 3 and other.resumed_from == (1, 2)
 
@@ -204,12 +189,12 @@ def test_compressed_shard_is_refused_naming_data_build(data, tmp_path):
         assert "\n" not in str(err.value)
 
 
-def test_foreign_shards_without_an_index_are_refused_at_start_naming_data_index(data, built_and_indexed):
+def test_foreign_shards_without_an_index_are_refused_at_start_naming_data_index(data, built_and_indexed, loader_cfg):
     root, _ = data
     work = built_and_indexed
     for path in (root / "laion", root / "laion" / "00000.tar", str(root / "laion" / "0000{0..1}.tar")):
         with pytest.raises(ValueError, match="omniloom data index") as err:
-            build_loader(_cfg(path, work / "tok"))
+            build_loader(loader_cfg(path, work / "tok"))
         assert "\n" not in str(err.value)
 
 

@@ -5,23 +5,19 @@ trains each document of the epoch exactly once (`logging.data_trace`)."""
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import io
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from omniloom.data.config import DataConfig, SourceConfig
 from omniloom.data.stream.loader import build_loader
 from omniloom.pretrain.cli import main
 
@@ -61,21 +57,6 @@ def write_laion(folder: Path, shards: int = 2, per: int = 6) -> list[Path]:
     return paths
 
 
-class _Handler(SimpleHTTPRequestHandler):
-    """A folder served read-only. The stream reader fetches a shard whole from its start (webdataset's
-    `gopen`: curl, no Range header) and skips forward by reading, so no Range support is needed;
-    every request is recorded."""
-
-    requests: list
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        self.requests.append((self.path, self.headers.get("Range")))
-        super().do_GET()
-
-    def log_message(self, *args):  # quiet
-        pass
-
-
 @pytest.fixture(scope="module")
 def laion(tmp_path_factory):
     from omniloom.tokenizers.testing import make_tiny_tokenizer
@@ -86,34 +67,16 @@ def laion(tmp_path_factory):
     return root
 
 
+
 @pytest.fixture(scope="module")
-def server(laion):
-    """A threaded http.server on 127.0.0.1 serving the shards folder; shut down after the module's
-    tests, and by itself after 5 minutes whatever happens."""
-    handler = type("H", (_Handler,), {"requests": []})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(laion / "laion")))
-    srv.daemon_threads = True
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    guard = threading.Timer(300, srv.shutdown)
-    guard.daemon = True
-    guard.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_port}", handler.requests
-    finally:
-        guard.cancel()
-        srv.shutdown()
-        srv.server_close()
-        thread.join(timeout=10)
+def server(laion, http_folder):
+    """The shards folder, served on 127.0.0.1 for the module's tests (the stream reader fetches a
+    shard whole from its start through webdataset's gopen, so no Range support is needed)."""
+    with http_folder(laion / "laion") as served:
+        yield served
 
 
-@pytest.fixture(autouse=True)
-def _no_proxy(monkeypatch):
-    """curl (under webdataset's gopen) must reach the local server directly."""
-    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+pytestmark = pytest.mark.usefixtures("no_proxy")
 
 
 @pytest.fixture(scope="module")
@@ -123,22 +86,7 @@ def local_index(laion, tmp_path_factory):
     return out
 
 
-def _cfg(path, tok, **kw):
-    base = dict(seq_len=96, batch_size=2, num_workers=0, shuffle_buffer=3, pack_buffer=3, seed=7, tokenizer=str(tok))
-    base.update(kw)
-    return DataConfig(sources=[SourceConfig(path=str(path), name="s")], **base)
-
-
-def _batches(loader, n):
-    out = []
-    for batch in loader:
-        out.append({k: v.clone() for k, v in batch.__dict__.items() if hasattr(v, "clone")})
-        if len(out) == n:
-            break
-    return out
-
-
-def _same_index_and_batches(remote_idx: Path, local_idx: Path, tok: Path) -> None:
+def _same_index_and_batches(remote_idx: Path, local_idx: Path, tok: Path, loader_cfg, take_batches) -> None:
     """The remote index lists the local one's samples (keys, offsets, members) and sizes, and its
     loader gives the same batches, tensor for tensor."""
     a, b = (json.loads((d / "manifest.json").read_text()) for d in (remote_idx, local_idx))
@@ -146,8 +94,8 @@ def _same_index_and_batches(remote_idx: Path, local_idx: Path, tok: Path) -> Non
     assert [s["bytes"] for s in a["shards"]] == [s["bytes"] for s in b["shards"]]
     assert [s["name"] for s in a["shards"]] == [s["name"] for s in b["shards"]] == ["laion-000000.tar", "laion-000001.tar"]
     assert a["totals"]["documents"] == 12
-    x = _batches(build_loader(_cfg(remote_idx, tok)), 6)
-    y = _batches(build_loader(_cfg(local_idx, tok)), 6)
+    x = take_batches(build_loader(loader_cfg(remote_idx, tok)), 6)
+    y = take_batches(build_loader(loader_cfg(local_idx, tok)), 6)
     assert len(x) == len(y) == 6
     for p, q in zip(x, y):
         assert p.keys() == q.keys()
@@ -156,7 +104,7 @@ def _same_index_and_batches(remote_idx: Path, local_idx: Path, tok: Path) -> Non
     assert any(bool((p["modality"] == 2).any()) for p in x)  # images made it through
 
 
-def test_index_over_http_trains_on_the_same_batches_as_a_local_index(laion, server, local_index, tmp_path):
+def test_index_over_http_trains_on_the_same_batches_as_a_local_index(laion, server, local_index, tmp_path, loader_cfg, take_batches):
     base, requests = server
     out = tmp_path / "idx"
     assert main(["-qq", "data", "index", f"{base}/laion-{{000000..000001}}.tar", "--out", str(out)]) == 0
@@ -164,7 +112,7 @@ def test_index_over_http_trains_on_the_same_batches_as_a_local_index(laion, serv
     assert [s["url"] for s in man["shards"]] == [f"{base}/laion-00000{i}.tar" for i in (0, 1)]
     assert {p for p, _ in requests} == {"/laion-000000.tar", "/laion-000001.tar"}
     before = len(requests)
-    _same_index_and_batches(out, local_index, laion / "tok")
+    _same_index_and_batches(out, local_index, laion / "tok", loader_cfg, take_batches)
     assert len(requests) > before  # the batches were read over HTTP
     assert all(r is None for _, r in requests)  # whole streams, skipped forward by reading
 
@@ -180,13 +128,13 @@ def test_train_a_few_steps_on_an_http_index(laion, server, tmp_path, train_tiny)
     assert all(r.get("data/skipped_total", 0) == 0 for r in rows)
 
 
-def test_index_through_a_pipe_command_trains_on_the_same_batches(laion, local_index, tmp_path):
+def test_index_through_a_pipe_command_trains_on_the_same_batches(laion, local_index, tmp_path, loader_cfg, take_batches):
     out = tmp_path / "idx"
     shards = laion / "laion"
     assert main(["-qq", "data", "index", f"pipe:cat {shards}/laion-{{000000..000001}}.tar", "--out", str(out)]) == 0
     man = json.loads((out / "manifest.json").read_text())
     assert [s["url"] for s in man["shards"]] == [f"pipe:cat {shards}/laion-00000{i}.tar" for i in (0, 1)]
-    _same_index_and_batches(out, local_index, laion / "tok")
+    _same_index_and_batches(out, local_index, laion / "tok", loader_cfg, take_batches)
 
 
 _TINY = ["data.seq_len=128", "data.batch_size=1", "data.num_workers=0", "data.shuffle_buffer=4", "data.pack_buffer=4",
