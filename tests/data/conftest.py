@@ -53,6 +53,26 @@ def kill_build(start_build):
     return kill
 
 
+
+@pytest.fixture
+def check_kill_and_resume(tmp_path, start_build, kill_build):
+    """Build `src` once whole, once killed (kill_build) and resumed: the resumed build says so and
+    its folder is byte-identical to the whole one. `first` adds flags to the whole and the killed run
+    (the resumed one runs without them: e.g. another --workers must give the same bytes)."""
+
+    def check(src, *, first=(), shards: int = 3) -> None:
+        clean, out = tmp_path / "clean", tmp_path / "killed"
+        p = start_build(src, clean, *first)
+        assert p.wait(timeout=120) == 0, p.stderr.read().decode()
+        kill_build(src, out, *first, shards=shards)
+        p = start_build(src, out)
+        assert p.wait(timeout=120) == 0, p.stderr.read().decode()
+        assert "(resumed)" in p.stdout.read().decode()
+        assert_same_files(clean, out)
+
+    return check
+
+
 def assert_same_files(a, b) -> None:
     """Two folders hold the same file names with the same bytes."""
     assert sorted(os.listdir(a)) == sorted(os.listdir(b))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -102,20 +101,11 @@ def test_url_builds_are_deterministic_and_parts_merge(server, check_workers_and_
     check_workers_and_parts([f"{base}/laion/laion-{{000000..000001}}.tar"], shard_max_docs=4)
 
 
-def test_kill_9_and_resume_of_a_url_build_is_byte_identical(server, tmp_path, start_build, kill_build):
+def test_kill_9_and_resume_of_a_url_build_is_byte_identical(server, check_kill_and_resume):
     base, _ = server
     src = f"{base}/laion/laion-{{000000..000001}}.tar"
-    clean = tmp_path / "clean"
-    p = start_build(src, clean)
-    assert p.wait(timeout=120) == 0, p.stderr.read().decode()
-    out = tmp_path / "killed"
-    kill_build(src, out, shards=3)
-    p = start_build(src, out)
-    assert p.wait(timeout=120) == 0, p.stderr.read().decode()
-    assert "(resumed)" in p.stdout.read().decode()
-    assert sorted(os.listdir(out)) == sorted(os.listdir(clean))
-    for name in os.listdir(clean):
-        assert (out / name).read_bytes() == (clean / name).read_bytes(), name
+    check_kill_and_resume(src)
+
 
 
 def test_non_tar_urls_and_pipes_are_refused_in_one_line(laion, server, tmp_path, capsys):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 import tarfile
 from pathlib import Path
 
@@ -198,7 +197,7 @@ def test_foreign_builds_are_deterministic_and_parts_merge(shards, check_workers_
 
 
 @pytest.mark.parametrize("compressed", [False, True])
-def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path, compressed, start_build, kill_build):
+def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path, compressed, check_kill_and_resume):
     root, _, _ = shards
     src = [root / "laion"]
     if compressed:  # .tar.gz: read front to back, and resumed by reading forward to the first unbuilt sample
@@ -207,17 +206,7 @@ def test_kill_9_and_resume_of_a_foreign_build_is_byte_identical(shards, tmp_path
         for p in sorted((root / "laion").glob("*.tar")):
             (folder / (p.name + ".gz")).write_bytes(gzip.compress(p.read_bytes()))
         src = [folder]
-    clean = tmp_path / "clean"
-    p = start_build(src, clean)
-    assert p.wait(timeout=120) == 0, p.stderr.read().decode()
-    out = tmp_path / "killed"
-    kill_build(src, out, shards=3)
-    p = start_build(src, out)
-    assert p.wait(timeout=120) == 0, p.stderr.read().decode()
-    assert "(resumed)" in p.stdout.read().decode()
-    assert sorted(os.listdir(out)) == sorted(os.listdir(clean))
-    for name in os.listdir(clean):
-        assert (out / name).read_bytes() == (clean / name).read_bytes(), name
+    check_kill_and_resume(src)
 
 
 def test_bad_tars_are_counted_rejects_not_crashes(tmp_path, capsys):

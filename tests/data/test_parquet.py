@@ -7,7 +7,6 @@ resume, --part and merge) and its shards train."""
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import numpy as np
@@ -147,20 +146,9 @@ def test_parquet_builds_are_deterministic_and_parts_merge(corpus, check_workers_
     check_workers_and_parts([root / "pairs", root / "lists", root / "text"], shard_max_docs=4)
 
 
-def test_kill_9_and_resume_of_a_parquet_build_is_byte_identical(corpus, tmp_path, start_build, kill_build):
+def test_kill_9_and_resume_of_a_parquet_build_is_byte_identical(corpus, check_kill_and_resume):
     root, _ = corpus
-    src = [root / "pairs", root / "text"]
-    clean = tmp_path / "clean"
-    p = start_build(src, clean, "--workers", "2")
-    assert p.wait(timeout=120) == 0, p.stderr.read().decode()
-    out = tmp_path / "killed"
-    kill_build(src, out, "--workers", "2", shards=3)
-    p = start_build(src, out)  # resumed at 1 worker: the same bytes
-    assert p.wait(timeout=120) == 0, p.stderr.read().decode()
-    assert "(resumed)" in p.stdout.read().decode()
-    assert sorted(os.listdir(out)) == sorted(os.listdir(clean))
-    for name in os.listdir(clean):
-        assert (out / name).read_bytes() == (clean / name).read_bytes(), name
+    check_kill_and_resume([root / "pairs", root / "text"], first=("--workers", "2"))  # resumed at 1 worker: the same bytes
 
 
 def test_a_parquet_build_trains(corpus, tmp_path, train_tiny):
