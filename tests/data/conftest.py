@@ -179,3 +179,35 @@ def take_batches():
         return out
 
     return take
+
+
+@pytest.fixture(scope="session")
+def laion_served(tmp_path_factory, http_folder):
+    """(root, base URL, requests): `root/laion/laion-00000{0,1}.tar`, 6 samples each in
+    img2dataset's layout (KEY.jpg|png + KEY.txt "a photo number N" + KEY.json) written by the real
+    webdataset.TarWriter, a `root/laion/docs.jsonl` that is not a tar, and a tiny tokenizer in
+    `root/tok`; `root` served over http on 127.0.0.1 for the session."""
+    import io
+
+    import numpy as np
+    import webdataset as wds
+    from PIL import Image
+
+    from omniloom.tokenizers.testing import make_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("remote")
+    (root / "laion").mkdir()
+    n = 0
+    for s in range(2):
+        with wds.TarWriter(str(root / "laion" / f"laion-{s:06d}.tar")) as w:
+            for _ in range(6):
+                ext, fmt = (("jpg", "JPEG"), ("png", "PNG"))[n % 2]
+                buf = io.BytesIO()
+                Image.fromarray(np.random.default_rng(n).integers(0, 255, (32, 40, 3), dtype=np.uint8)).save(buf, format=fmt)
+                w.write({"__key__": f"{n:09d}", ext: buf.getvalue(), "txt": f"a photo number {n}",
+                         "json": {"url": f"https://example.com/{n}.{ext}", "status": "success"}})
+                n += 1
+    (root / "laion" / "docs.jsonl").write_text('{"text": "not a tar"}\n')
+    make_tiny_tokenizer(root / "tok")
+    with http_folder(root) as (base, requests):
+        yield root, base, requests

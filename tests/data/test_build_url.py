@@ -7,11 +7,9 @@ resumes to the bytes of an unbroken one; anything but a tar is refused in one li
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from omniloom.data.prep.shards import build
@@ -19,43 +17,15 @@ from omniloom.data.prep.shards import build
 wds = pytest.importorskip("webdataset")
 
 
-def _image(fmt: str, seed: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (24, 32, 3), dtype=np.uint8)).save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def write_laion(folder: Path, shards: int = 2, per: int = 6) -> list[Path]:
-    """img2dataset's layout (KEY.jpg/png + KEY.txt + KEY.json) as `laion-NNNNNN.tar`, by webdataset.TarWriter."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths, n = [], 0
-    for s in range(shards):
-        paths.append(folder / f"laion-{s:06d}.tar")
-        with wds.TarWriter(str(paths[-1])) as w:
-            for _ in range(per):
-                ext, fmt = (("jpg", "JPEG"), ("png", "PNG"))[n % 2]
-                w.write({"__key__": f"{n:09d}", ext: _image(fmt, n), "txt": f"a photo number {n}",
-                         "json": {"url": f"https://example.com/{n}.{ext}", "status": "success"}})
-                n += 1
-    return paths
+@pytest.fixture(scope="module")
+def laion(laion_served):
+    return laion_served[0]
 
 
 @pytest.fixture(scope="module")
-def laion(tmp_path_factory):
-    root = tmp_path_factory.mktemp("remote")
-    write_laion(root / "laion")
-    (root / "laion" / "docs.jsonl").write_text('{"text": "not a tar"}\n')
-    return root
-
-
-
-@pytest.fixture(scope="module")
-def server(laion, http_folder):
-    """The folder above `laion/`, served on 127.0.0.1 for the module's tests."""
-    with http_folder(laion) as served:
-        yield served
+def server(laion_served):
+    """(base URL, the requests it got): `laion/` and `tok/` served on 127.0.0.1."""
+    return laion_served[1:]
 
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
@@ -105,7 +75,6 @@ def test_kill_9_and_resume_of_a_url_build_is_byte_identical(server, check_kill_a
     base, _ = server
     src = f"{base}/laion/laion-{{000000..000001}}.tar"
     check_kill_and_resume(src)
-
 
 
 def test_non_tar_urls_and_pipes_are_refused_in_one_line(laion, server, tmp_path, capsys):

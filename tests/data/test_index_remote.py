@@ -6,7 +6,6 @@ trains each document of the epoch exactly once (`logging.data_trace`)."""
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import os
 import subprocess
@@ -15,7 +14,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from omniloom.data.stream.loader import build_loader
@@ -27,53 +25,15 @@ _spec = importlib.util.spec_from_file_location("proctree", Path(__file__).resolv
 _proctree = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_proctree)
 
-_WORDS = ("red green blue yellow cat dog horse bird river mountain city street night morning portrait painting "
-          "sunset forest beach window garden kitchen bicycle train station market bridge castle flower").split()
-
-
-def _image(fmt: str, seed: int) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 255, (32, 40, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def write_laion(folder: Path, shards: int = 2, per: int = 6) -> list[Path]:
-    """img2dataset's layout (KEY.jpg/png + KEY.txt + KEY.json) as `laion-NNNNNN.tar`, written with
-    the real webdataset.TarWriter."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths, n = [], 0
-    for s in range(shards):
-        paths.append(folder / f"laion-{s:06d}.tar")
-        with wds.TarWriter(str(paths[-1])) as w:
-            for _ in range(per):
-                ext, fmt = (("jpg", "JPEG"), ("png", "PNG"))[n % 2]
-                words = " ".join(np.random.default_rng(n).choice(_WORDS, 24))
-                w.write({"__key__": f"{n:09d}", ext: _image(fmt, n), "txt": f"a photo number {n}: {words}",
-                         "json": {"url": f"https://example.com/{n}.{ext}", "status": "success"}})
-                n += 1
-    return paths
+@pytest.fixture(scope="module")
+def laion(laion_served):
+    return laion_served[0]
 
 
 @pytest.fixture(scope="module")
-def laion(tmp_path_factory):
-    from omniloom.tokenizers.testing import make_tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("remote")
-    write_laion(root / "laion")
-    make_tiny_tokenizer(root / "tok")
-    return root
-
-
-
-@pytest.fixture(scope="module")
-def server(laion, http_folder):
-    """The shards folder, served on 127.0.0.1 for the module's tests (the stream reader fetches a
-    shard whole from its start through webdataset's gopen, so no Range support is needed)."""
-    with http_folder(laion / "laion") as served:
-        yield served
+def server(laion_served):
+    """(base URL, the requests it got): `laion/` and `tok/` served on 127.0.0.1."""
+    return laion_served[1:]
 
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
@@ -106,11 +66,12 @@ def _same_index_and_batches(remote_idx: Path, local_idx: Path, tok: Path, loader
 
 def test_index_over_http_trains_on_the_same_batches_as_a_local_index(laion, server, local_index, tmp_path, loader_cfg, take_batches):
     base, requests = server
+    requests.clear()  # the server is shared by the session's remote tests
     out = tmp_path / "idx"
-    assert main(["-qq", "data", "index", f"{base}/laion-{{000000..000001}}.tar", "--out", str(out)]) == 0
+    assert main(["-qq", "data", "index", f"{base}/laion/laion-{{000000..000001}}.tar", "--out", str(out)]) == 0
     man = json.loads((out / "manifest.json").read_text())
-    assert [s["url"] for s in man["shards"]] == [f"{base}/laion-00000{i}.tar" for i in (0, 1)]
-    assert {p for p, _ in requests} == {"/laion-000000.tar", "/laion-000001.tar"}
+    assert [s["url"] for s in man["shards"]] == [f"{base}/laion/laion-00000{i}.tar" for i in (0, 1)]
+    assert {p for p, _ in requests} == {"/laion/laion-000000.tar", "/laion/laion-000001.tar"}
     before = len(requests)
     _same_index_and_batches(out, local_index, laion / "tok", loader_cfg, take_batches)
     assert len(requests) > before  # the batches were read over HTTP
@@ -120,7 +81,7 @@ def test_index_over_http_trains_on_the_same_batches_as_a_local_index(laion, serv
 def test_train_a_few_steps_on_an_http_index(laion, server, tmp_path, train_tiny):
     base, _ = server
     out = tmp_path / "idx"
-    assert main(["-qq", "data", "index", f"{base}/laion-{{000000..000001}}.tar", "--out", str(out)]) == 0
+    assert main(["-qq", "data", "index", f"{base}/laion/laion-{{000000..000001}}.tar", "--out", str(out)]) == 0
     run = tmp_path / "run"
     assert train_tiny(run, out, laion / "tok", "train.num_steps=3") == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
