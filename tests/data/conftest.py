@@ -211,3 +211,15 @@ def laion_served(tmp_path_factory, http_folder):
     make_tiny_tokenizer(root / "tok")
     with http_folder(root) as (base, requests):
         yield root, base, requests
+
+
+@pytest.fixture(scope="session")
+def laion(laion_served):
+    """The root of `laion_served` (`laion/`, `tok/`)."""
+    return laion_served[0]
+
+
+@pytest.fixture(scope="session")
+def server(laion_served):
+    """(base URL, the requests it got) of `laion_served`."""
+    return laion_served[1:]

@@ -17,17 +17,6 @@ from omniloom.data.prep.shards import build
 wds = pytest.importorskip("webdataset")
 
 
-@pytest.fixture(scope="module")
-def laion(laion_served):
-    return laion_served[0]
-
-
-@pytest.fixture(scope="module")
-def server(laion_served):
-    """(base URL, the requests it got): `laion/` and `tok/` served on 127.0.0.1."""
-    return laion_served[1:]
-
-
 pytestmark = pytest.mark.usefixtures("no_proxy")
 
 

@@ -25,16 +25,6 @@ _spec = importlib.util.spec_from_file_location("proctree", Path(__file__).resolv
 _proctree = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_proctree)
 
-@pytest.fixture(scope="module")
-def laion(laion_served):
-    return laion_served[0]
-
-
-@pytest.fixture(scope="module")
-def server(laion_served):
-    """(base URL, the requests it got): `laion/` and `tok/` served on 127.0.0.1."""
-    return laion_served[1:]
-
 
 pytestmark = pytest.mark.usefixtures("no_proxy")
 
