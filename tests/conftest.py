@@ -83,7 +83,7 @@ def train_tiny():
                          "model.dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.rope_sections=[8,12,12]",
                          "model.attention.window=64", "model.attention.block_size=16", "model.moe.expert_dim=64",
                          "model.moe.dense_dim=128", "train.num_steps=2", "checkpoint.every=2", "logging.every=1",
-                         "logging.tensorboard=false", *overrides])
+                         "logging.trackers=[]", *overrides])
         finally:
             AcceleratorState._reset_state(True)
             GradientState._reset_state()

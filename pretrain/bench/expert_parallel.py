@@ -42,7 +42,7 @@ def _worker(args) -> None:
     with tempfile.TemporaryDirectory(prefix="omniloom-bench-ep-") as tmp:
         cfg = load_config(args.preset, [
             f"train.run_dir={tmp}", f"train.num_steps={args.warmup + args.steps}", "checkpoint.every=0",
-            "logging.tensorboard=false", "train.eval_every=0", "checkpoint.resume=",
+            "logging.trackers=[]", "train.eval_every=0", "checkpoint.resume=",
             f"data.batch_size={args.global_batch // world}", f"model.moe.expert_parallel={args.ep}",
             f"model.vocab_size={bench._SYNTHETIC_VOCAB}", f"model.patch_token_id={bench._SYNTHETIC_PATCH_ID}",
             *args.overrides])

@@ -76,7 +76,7 @@ def bench_trainer(preset: str, overrides: list[str], *, run_dir: str, num_steps:
 
     cfg = load_config(preset, list(overrides) + [
         f"train.run_dir={run_dir}", f"train.num_steps={num_steps}", "checkpoint.every=0",
-        "logging.tensorboard=false", "train.eval_every=0", "checkpoint.resume="])
+        "logging.trackers=[]", "train.eval_every=0", "checkpoint.resume="])
     kwargs = {}
     if not cfg.data.sources:
         cfg = synthetic_config(cfg)

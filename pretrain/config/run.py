@@ -93,10 +93,25 @@ class CheckpointConfig:
         _at_least("checkpoint", self, every=0, keep_last=1)
 
 
+# logging.trackers: name -> the module its accelerate tracker imports (pretrain/train/trackers.py)
+TRACKERS = {
+    "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "aim": "aim", "comet_ml": "comet_ml",
+    "clearml": "clearml", "dvclive": "dvclive", "swanlab": "swanlab", "trackio": "trackio",
+}
+
+
 @dataclass(kw_only=True)
 class LoggingConfig:
     every: int = 10
-    tensorboard: bool = True
+    # Experiment trackers, started on rank 0 (pretrain/train/trackers.py): any of tensorboard, wandb,
+    # mlflow, aim, comet_ml, clearml, dvclive, swanlab, trackio; [] for none. Each gets the run
+    # config as hyperparameters and every scalar metric at every step, named `group/name`
+    # (loss -> train/loss); metrics.jsonl is written either way.
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str = "omniloom"  # the W&B project, the MLflow experiment, the others' project name
+    run_name: str = ""  # the run's name in the trackers; "" = the run folder's name
+    # Shorthand kept from before logging.trackers: false drops tensorboard from the trackers, true adds it.
+    tensorboard: bool | None = None
     spike_window: int = 128
     spike_sigma: float = 6.0
     # without a terminal for the progress bar (launcher, pipe, log file): one progress line every N
@@ -109,6 +124,29 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         _at_least("logging", self, every=1, spike_window=2, progress_seconds=0.0)
         _at_least("logging", self, spike_sigma=1e-30)
+        if self.tensorboard is False:
+            self.trackers = [t for t in self.trackers if t != "tensorboard"]
+        elif self.tensorboard and "tensorboard" not in self.trackers:
+            self.trackers = ["tensorboard", *self.trackers]
+        self.tensorboard = None
+        _check_trackers(self.trackers)
+
+
+def _check_trackers(names: list[str]) -> None:
+    """ValueError for an unknown or repeated tracker name (a typo fails here, at config time)."""
+    seen = set()
+    for name in names:
+        if name not in TRACKERS:
+            import difflib
+
+            close = difflib.get_close_matches(str(name), list(TRACKERS), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(f"logging.trackers: unknown tracker {name!r}{hint}; choose from {', '.join(TRACKERS)}, "
+                             "or [] for none")
+        if name in seen:
+            raise ValueError(f"logging.trackers names {name!r} twice")
+        seen.add(name)
+
 
 
 def _at_least(section: str, obj, **minimum) -> None:

@@ -47,6 +47,7 @@ from .parallel import apply_parallelism, check_launch, seed_everything, set_dete
 from .preflight import check_step_memory, warn_ignored_settings
 from .resume_batch import keep_global_batch
 from .runlock import claim_collective
+from .trackers import check_installed
 
 log = logging.getLogger("omniloom.train")
 
@@ -74,7 +75,7 @@ _close_registered: list[bool] = []
 
 def make_accelerator(cfg: RunConfig):
     """An Accelerator for this run: cpu=True without CUDA (multi-process launches then use gloo),
-    bf16 autocast on GPU unless configured otherwise, TensorBoard tracker under run_dir/tb."""
+    bf16 autocast on GPU unless configured otherwise (the trackers start in MetricsLogger)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 
@@ -89,7 +90,6 @@ def make_accelerator(cfg: RunConfig):
     acc = Accelerator(
         cpu=cpu,
         mixed_precision=mp,
-        log_with="tensorboard" if cfg.logging.tensorboard else None,
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / TENSORBOARD)),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.train.find_unused_parameters)],
         step_scheduler_with_optimizer=False,
@@ -120,6 +120,7 @@ class Trainer:
         # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / CHECKPOINTS)
         init_from = check_init_from(cfg.train.init_from)
+        check_installed(cfg.logging.trackers)
         arm_if_launched()  # a rank stops (saving) when its launcher dies
         configure_threads(cfg.train.num_threads, num_workers=cfg.data.num_workers,
                           quiet=int(os.environ.get("LOCAL_RANK", "0")) != 0, tune=not cfg.train.deterministic)
@@ -213,7 +214,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg, acc = self.cfg, self.acc
         logger = MetricsLogger(acc, self.run_dir, total_steps=cfg.train.num_steps, start_step=self.step,
-                               tensorboard=cfg.logging.tensorboard, run_name=self.run_dir.name,
+                               trackers=cfg.logging.trackers, project=cfg.logging.project,
+                               run_name=cfg.logging.run_name or self.run_dir.name,
                                hparams=to_dict(cfg), progress=self.progress,
                                progress_seconds=cfg.logging.progress_seconds)
         self.shutdown.install()

@@ -1,4 +1,4 @@
-"""Training metrics: JSONL + accelerate trackers (TensorBoard) + a tqdm bar on rank 0, MFU from a
+"""Training metrics: JSONL + experiment trackers (trackers.py: TensorBoard, W&B, MLflow, ...) + a tqdm bar on rank 0, MFU from a
 peak-FLOPs table, expert load balance summaries, and a step timer for the data/forward/backward/
 optimizer breakdown.
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 import time
 from contextlib import contextmanager
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 from omniloom.data.progress import bar_wanted, hms
-from omniloom.pretrain.rundir import METRICS
+from omniloom.pretrain.rundir import METRICS, TENSORBOARD
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ def peak_memory(device: torch.device | None) -> tuple[int, str]:
 
 class MetricsLogger:
     """Rank-0 sink for metric dicts: one JSON object per line in `run_dir/metrics.jsonl`, the
-    accelerate trackers (TensorBoard under `run_dir/tb` when enabled), and progress: a tqdm bar
+    experiment trackers of `logging.trackers` (trackers.py; TensorBoard under `run_dir/tb`), and progress: a tqdm bar
     (loss, tokens/s) when `progress` and stderr is a terminal that reports a width, otherwise
     (a launcher, a pipe, a log file, a pty of 0 columns or COLUMNS=0) one log line every
     `progress_seconds` (step, loss, tokens/s, the mean step time since the last line, the peak
@@ -148,13 +147,13 @@ class MetricsLogger:
     Other ranks get a logger whose methods do nothing, so the loop needs no rank checks."""
 
     def __init__(self, accelerator, run_dir: str | Path, *, total_steps: int, start_step: int,
-                 tensorboard: bool, run_name: str, hparams: dict | None = None, progress: bool = True,
-                 progress_seconds: float = 30.0):
+                 trackers: list[str] | tuple = (), run_name: str, project: str = "omniloom", hparams: dict | None = None,
+                 progress: bool = True, progress_seconds: float = 30.0):
         self.acc = accelerator
         self.enabled = accelerator.is_main_process
         self.path = Path(run_dir) / METRICS
         self._bar = None
-        self._trackers = False
+        self.trackers = None
         self.total_steps, self.start_step = total_steps, start_step
         self.progress_seconds = progress_seconds
         self._t0 = self._last_line = time.perf_counter()
@@ -166,15 +165,18 @@ class MetricsLogger:
         if start_step > 0:
             _drop_rows_after(self.path, start_step)
         self._fh = open(self.path, "a", buffering=1)
-        if tensorboard and accelerator.log_with:
-            try:
-                # No config= here: accelerate's store_init_configuration writes the hyperparameters
-                # into an extra run `<run_name>/<timestamp>` that holds nothing else.
-                accelerator.init_trackers(run_name)
-                self._trackers = True
-                _write_hparams(accelerator.get_tracker("tensorboard", unwrap=True), _flat_hparams(hparams or {}))
-            except Exception as err:  # a tracker that cannot start must not kill the run
-                log.warning("TensorBoard tracker disabled: %s", err)
+        if trackers:
+            from .trackers import Trackers
+
+            self.trackers = Trackers(list(trackers), Path(run_dir), run_name=run_name, project=project,
+                                     resuming=start_step > 0, tb_dir=Path(run_dir) / TENSORBOARD)
+            flat = _flat_hparams(hparams or {})
+            tb = self.trackers.get("tensorboard")
+            if tb is not None:
+                _write_hparams(tb.writer, flat)
+            self.trackers.config(hparams or {}, flat)
+            if self.trackers.names:
+                log.info("trackers: %s (metric names as group/name: loss -> train/loss)", ", ".join(self.trackers.names))
         if progress and bar_wanted(sys.stderr):
             # a terminal that reports 0 columns (COLUMNS=0, some CI ptys) would get an empty bar:
             # it gets the periodic lines instead
@@ -190,10 +192,15 @@ class MetricsLogger:
         clean = {k: _plain(v) for k, v in record.items()}
         clean["step"] = step
         self._fh.write(json.dumps(clean, allow_nan=True) + "\n")
-        if self._trackers:
-            scalars = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != "step"
-                       and math.isfinite(v)}
-            self.acc.log(scalars, step=step)
+        if self.trackers is not None:
+            self.trackers.log(clean, step)
+            counts = clean.get("moe/counts_LME")
+            if counts is not None:
+                from .trackers import heat_map
+
+                img = heat_map(counts)
+                if img is not None:
+                    self.trackers.images({"moe/expert_load": img}, step)
 
     def progress(self, step: int, postfix: dict | None = None, *, tokens_seen: int | None = None) -> None:
         """Advance the bar (or write the periodic line) to `step`; `tokens_seen` gives tokens/s."""
@@ -240,8 +247,8 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
         self._fh.close()
-        if self._trackers:
-            self.acc.end_training()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def _write_hparams(writer, flat: dict) -> None:

@@ -91,7 +91,7 @@ def test_index_through_a_pipe_command_trains_on_the_same_batches(laion, local_in
 _TINY = ["data.seq_len=128", "data.batch_size=1", "data.num_workers=0", "data.shuffle_buffer=4", "data.pack_buffer=4",
          "model.dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.rope_sections=[8,12,12]",
          "model.attention.window=64", "model.attention.block_size=16", "model.moe.expert_dim=64", "model.moe.dense_dim=128",
-         "optim.warmup_steps=1", "train.eval_every=0", "checkpoint.every=2", "logging.every=1", "logging.tensorboard=false",
+         "optim.warmup_steps=1", "train.eval_every=0", "checkpoint.every=2", "logging.every=1", "logging.trackers=[]",
          "logging.data_trace=true"]
 
 

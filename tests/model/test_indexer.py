@@ -258,7 +258,7 @@ def _indexer_trainer(tmp_path, *overrides):
     from omniloom.pretrain.train.loop import Trainer
 
     cfg = load_config("tiny", [
-        f"train.run_dir={tmp_path}", "checkpoint.every=0", "logging.tensorboard=false", "train.eval_every=0",
+        f"train.run_dir={tmp_path}", "checkpoint.every=0", "logging.trackers=[]", "train.eval_every=0",
         "model.vocab_size=512", "model.patch_token_id=8", "data.seq_len=96", "data.batch_size=2",
         "model.attention.backend=blocksparse", "model.attention.pattern=LB", "model.attention.block_size=8",
         "model.attention.num_selected_blocks=3", "model.attention.selector=indexer", "model.attention.indexer_dim=8",

@@ -60,7 +60,7 @@ def _args(run_dir: Path, root: Path, workers: int, *extra: str) -> list[str]:
             "model.dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.rope_sections=[8,12,12]",
             "model.attention.window=64", "model.moe.expert_dim=64", "model.moe.dense_dim=128",
             "model.attention.block_size=16", "optim.warmup_steps=2", "train.num_steps=48", "checkpoint.every=2",
-            "logging.tensorboard=false", "logging.data_trace=true", *extra]
+            "logging.trackers=[]", "logging.data_trace=true", *extra]
 
 
 FSDP2_TRAIN = (Path(__file__).resolve().parents[1] / "support" / "fsdp2_cpu_train.py")

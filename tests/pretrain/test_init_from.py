@@ -124,7 +124,7 @@ def test_the_trainer_starts_from_the_export_with_a_fresh_optimizer(tok_dir, expo
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe,
                                                                                                 bias_update_rate=0.0)))
     cfg.train.run_dir, cfg.train.num_steps, cfg.train.init_from = str(tmp_path / "run"), 1, str(folder)
-    cfg.optim.lr, cfg.checkpoint.every, cfg.logging.tensorboard = 0.0, 1, False
+    cfg.optim.lr, cfg.checkpoint.every, cfg.logging.trackers = 0.0, 1, []
 
     def loader(cfg, split, rank, world_size):
         from omniloom.model.synthetic import random_packed_batch

@@ -45,7 +45,7 @@ TRAIN = [sys.executable, "-m", "omniloom.pretrain.cli", "train", "--no-progress"
 SMALL = ["data.seq_len=64", "data.batch_size=1", "model.dim=32", "model.num_layers=2", "model.num_heads=2",
          "model.num_kv_heads=1", "model.rope_sections=[4,6,6]", "model.attention.window=32",
          "model.attention.block_size=16", "model.moe.expert_dim=16", "model.moe.dense_dim=32",
-         "train.num_steps=3", "logging.tensorboard=false"]
+         "train.num_steps=3", "logging.trackers=[]"]
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process-tree checks read /proc")
 

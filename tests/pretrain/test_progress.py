@@ -18,7 +18,7 @@ def _acc():
 
 def test_without_a_terminal_progress_is_a_periodic_line(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr("sys.stderr", open(tmp_path / "err.txt", "w"))  # not a terminal
-    logger = MetricsLogger(_acc(), tmp_path, total_steps=10, start_step=0, tensorboard=False, run_name="r",
+    logger = MetricsLogger(_acc(), tmp_path, total_steps=10, start_step=0, trackers=[], run_name="r",
                            progress=True, progress_seconds=1e-6)
     assert logger._bar is None
     with caplog.at_level(logging.INFO, logger="omniloom.pretrain.train.metrics"):
@@ -34,9 +34,9 @@ def test_without_a_terminal_progress_is_a_periodic_line(tmp_path, caplog, monkey
 def test_lines_are_spaced_and_can_be_turned_off(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr("sys.stderr", open(tmp_path / "err.txt", "w"))
     with caplog.at_level(logging.INFO, logger="omniloom.pretrain.train.metrics"):
-        spaced = MetricsLogger(_acc(), tmp_path / "a", total_steps=100, start_step=0, tensorboard=False, run_name="r",
+        spaced = MetricsLogger(_acc(), tmp_path / "a", total_steps=100, start_step=0, trackers=[], run_name="r",
                                progress_seconds=3600)
-        off = MetricsLogger(_acc(), tmp_path / "b", total_steps=100, start_step=0, tensorboard=False, run_name="r",
+        off = MetricsLogger(_acc(), tmp_path / "b", total_steps=100, start_step=0, trackers=[], run_name="r",
                             progress_seconds=0)
         for step in range(1, 51):
             spaced.progress(step, {"loss": 1.0}, tokens_seen=step)
@@ -54,7 +54,7 @@ def test_on_a_terminal_the_bar_shows_loss_and_tokens_per_second(tmp_path, monkey
     err = Tty()
     monkeypatch.setattr("sys.stderr", err)
     monkeypatch.delenv("COLUMNS", raising=False)
-    logger = MetricsLogger(_acc(), tmp_path, total_steps=4, start_step=0, tensorboard=False, run_name="r", progress=True)
+    logger = MetricsLogger(_acc(), tmp_path, total_steps=4, start_step=0, trackers=[], run_name="r", progress=True)
     assert logger._bar is not None
     logger._bar.fp = err  # tqdm bound the stream at creation; make sure it writes here
     for step in range(1, 5):
@@ -80,7 +80,7 @@ def test_a_terminal_of_zero_columns_gets_the_periodic_line(tmp_path, caplog, mon
         assert err.isatty() and os.get_terminal_size(slave).columns == 0
         monkeypatch.setattr("sys.stderr", err)
         monkeypatch.delenv("COLUMNS", raising=False)
-        logger = MetricsLogger(_acc(), tmp_path, total_steps=4, start_step=0, tensorboard=False, run_name="r",
+        logger = MetricsLogger(_acc(), tmp_path, total_steps=4, start_step=0, trackers=[], run_name="r",
                                progress=True, progress_seconds=1e-6)
         assert logger._bar is None
         lines = _lines_from(logger, caplog)
@@ -99,7 +99,7 @@ def test_columns_zero_gets_the_periodic_line(tmp_path, caplog, monkeypatch):
 
     monkeypatch.setattr("sys.stderr", Tty())
     monkeypatch.setenv("COLUMNS", "0")
-    logger = MetricsLogger(_acc(), tmp_path, total_steps=4, start_step=0, tensorboard=False, run_name="r",
+    logger = MetricsLogger(_acc(), tmp_path, total_steps=4, start_step=0, trackers=[], run_name="r",
                            progress=True, progress_seconds=1e-6)
     assert logger._bar is None
     lines = _lines_from(logger, caplog)

@@ -53,7 +53,7 @@ def test_tiny_preset_trains_from_shards_to_falling_loss(shards_and_tokenizer, tm
             "model.attention.window=64", "model.moe.expert_dim=64", "model.moe.dense_dim=128",
             "model.attention.block_size=16",
             "optim.lr=1e-2", "optim.warmup_steps=2", "train.num_steps=14", "train.eval_every=14",
-            "train.eval_steps=1", "checkpoint.every=7", "logging.every=7", "logging.tensorboard=true"]
+            "train.eval_steps=1", "checkpoint.every=7", "logging.every=7", "logging.trackers=[tensorboard]"]
     assert main(argv) == 0
     rows = read_metrics(run_dir / "metrics.jsonl")
     losses = [r["loss"] for r in rows if "loss" in r]
@@ -83,7 +83,7 @@ def _launch(run_dir, root, *extra):
             "model.num_kv_heads=1", "model.rope_sections=[8,12,12]", "model.attention.window=64",
             "model.moe.expert_dim=64", "model.moe.dense_dim=128", "model.attention.block_size=16",
             "optim.lr=1e-2", "optim.warmup_steps=2", "train.num_steps=10", "checkpoint.every=3",
-            "logging.tensorboard=false", "train.deterministic=true", *extra]
+            "logging.trackers=[]", "train.deterministic=true", *extra]
 
 
 @pytest.mark.slow

@@ -702,7 +702,7 @@ def test_tensorboard_has_one_run_holding_metrics_and_hyperparameters(tmp_path):
     """Issue 15.12: no extra `run/<timestamp>` run with only Accelerate's hyperparameters."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    t = _trainer(tmp_path, "logging.tensorboard=true", "train.num_steps=2", "logging.every=1")
+    t = _trainer(tmp_path, "logging.trackers=[tensorboard]", "train.num_steps=2", "logging.every=1")
     t.fit()
     tb = tmp_path / "tb"
     runs = sorted({p.parent for p in tb.rglob("events.out.tfevents*")})
@@ -710,7 +710,8 @@ def test_tensorboard_has_one_run_holding_metrics_and_hyperparameters(tmp_path):
     assert not [p for p in runs[0].iterdir() if p.is_dir()], "a sub-run beside the main one"
     acc = EventAccumulator(str(runs[0]))
     acc.Reload()
-    assert "loss" in acc.Tags()["scalars"]
+    assert {"train/loss", "loss/text"} <= set(acc.Tags()["scalars"])  # one-slash names (trackers.py)
+    assert acc.Tags()["images"] == ["moe/expert_load"]
     plugins = acc.PluginTagToContent("hparams")
     assert "_hparams_/experiment" in plugins and "_hparams_/session_start_info" in plugins
     from tensorboard.plugins.hparams import plugin_data_pb2

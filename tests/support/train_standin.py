@@ -246,7 +246,7 @@ def standin_trainer(run_dir, *overrides, overwrite=False, build_model=None, buil
 
 def base_overrides(run_dir) -> list[str]:
     return [f"train.run_dir={run_dir}", "data.seq_len=16", "data.batch_size=4", "data.num_workers=2",
-            "optim.lr=1e-2", "optim.warmup_steps=2", "logging.every=2", "logging.tensorboard=false",
+            "optim.lr=1e-2", "optim.warmup_steps=2", "logging.every=2", "logging.trackers=[]",
             "train.deterministic=true", "model.vocab_size=64"]
 
 
