@@ -5,6 +5,7 @@ A source names one shard set. How `path` / `manifest` are resolved (see data/str
 - a local directory holding `manifest.json` (what `omniloom data build` writes);
 - a path or URL ending in `.json`: the manifest itself; shards are looked up beside it;
 - anything else is a shard spec webdataset accepts: a brace pattern (`/d/x-{000000..000009}.tar`),
+  a local glob (`/d/x-*.tar`),
   an `http(s)://`, `gs://`, `s3://` URL, or a `pipe:` command. The manifest is taken from
   `manifest` when set, else from `manifest.json` beside the first shard when that exists, else the
   shards are indexed by one streaming pass at start (slow for remote data; a warning says so).
@@ -34,6 +35,38 @@ class SourceConfig:
             raise ValueError("a data source needs `path` (shard directory, brace pattern, URL or pipe: spec)")
         if not (self.weight > 0 and math.isfinite(self.weight)):
             raise ValueError(f"source '{self.path}': weight must be a positive number, got {self.weight}")
+
+    @classmethod
+    def list_from_text(cls, text: str) -> list[dict]:
+        """`data.sources=TEXT` as a list of sources of weight 1: one path, or several separated by
+        commas (outside `{...}` brace patterns); a local glob (`shards/*`) names each folder it
+        matches as a source, while a glob of shard files stays one source (`shards/train-*.tar`)."""
+        import glob as globmod
+        import os
+
+        parts, depth, start = [], 0, 0
+        for i, ch in enumerate(text):
+            depth += (ch == "{") - (ch == "}")
+            if ch == "," and depth == 0:
+                parts.append(text[start:i])
+                start = i + 1
+        parts.append(text[start:])
+        out = []
+        for part in (p.strip() for p in parts):
+            if not part:
+                continue
+            if "://" not in part and not part.startswith("pipe:") and globmod.has_magic(part.replace("{", "").replace("}", "")):
+                matches = sorted(globmod.glob(os.path.expanduser(part)))
+                if not matches:
+                    raise ValueError(f"'{part}' matches nothing")
+                folders = [m for m in matches if os.path.isdir(m)]
+                if folders and len(folders) == len(matches):
+                    out += [{"path": m} for m in folders]
+                    continue
+            out.append({"path": part})
+        if not out:
+            raise ValueError("no source given: name a shard folder, e.g. data.sources=shards/train")
+        return out
 
     @property
     def label(self) -> str:

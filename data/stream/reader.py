@@ -122,9 +122,18 @@ def _dirname(url: str) -> str:
 
 
 def _expand(pattern: str) -> list[str]:
+    """Brace patterns, then local globs (`shards/train-*.tar`, sorted)."""
+    import glob
+
     import braceexpand
 
-    return list(braceexpand.braceexpand(pattern))
+    out = []
+    for url in braceexpand.braceexpand(pattern):
+        if is_local(url) and glob.has_magic(url):
+            out += sorted(glob.glob(_local_path(url))) or [url]  # no match: the missing-file error names it
+        else:
+            out.append(url)
+    return out
 
 
 def _int_or(value, fallback: int) -> int:

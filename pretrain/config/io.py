@@ -105,6 +105,13 @@ def _convert(value: Any, tp: Any, path: str, source: str | None) -> Any:
             )
         return value
     if origin in (list, tuple):
+        item_tp = (get_args(tp) or (Any,))[0]
+        if isinstance(value, str) and hasattr(item_tp, "list_from_text"):
+            # a shorthand the item type reads (data.sources=shards/train, a comma list, globs)
+            try:
+                value = item_tp.list_from_text(value)
+            except ValueError as err:
+                raise ConfigError(f"{_where(path, source)}: {err}") from err
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{_where(path, source)} expects a list ({_type_name(tp)}), got {value!r}")
         args = get_args(tp)

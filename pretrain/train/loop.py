@@ -116,7 +116,7 @@ class Trainer:
                  build_loader: Callable | None = None, progress: bool = True, overwrite: bool = False):
         if build_loader is None and not cfg.data.sources:  # fail before minutes of model setup
             raise ValueError("data.sources is empty: point it at shards made by `omniloom data build`, e.g. "
-                             "data.sources='[{path: shards/train}]' data.tokenizer=tok")
+                             "data.sources=shards/train data.tokenizer=tok")
         # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / CHECKPOINTS)
         init_from = check_init_from(cfg.train.init_from)

@@ -106,3 +106,29 @@ def test_list_of_dataclasses_loads():
     with pytest.raises(ConfigError, match="data.sources\\[0\\]"):
         from_dict(RunConfig, {"data": {"sources": [{"pth": "/x"}]}})
     assert yaml.safe_load(to_yaml(cfg))["data"]["sources"][0]["path"] == "/x"
+
+
+def test_a_source_may_be_given_as_a_path_a_comma_list_or_a_glob(tmp_path, monkeypatch):
+    """Issue 41 item 5: `data.sources=shards/train` was refused (it needed YAML flow syntax)."""
+    from omniloom.data.stream.reader import _expand
+
+    def paths(text, key="sources"):
+        cfg = load_config(None, [f"data.{key}={text}"])
+        return [(s.path, s.weight) for s in getattr(cfg.data, key)]
+
+    assert paths("shards/train") == [("shards/train", 1.0)]
+    assert paths("shards/a, shards/b") == [("shards/a", 1.0), ("shards/b", 1.0)]
+    assert paths("https://h/x-{000000..000003}.tar,/d/y-{a,b}.tar") == [
+        ("https://h/x-{000000..000003}.tar", 1.0), ("/d/y-{a,b}.tar", 1.0)]
+    assert paths("val", key="eval_sources") == [("val", 1.0)]
+    for name in ("b", "a"):
+        (tmp_path / name).mkdir()
+        for i in range(2):
+            (tmp_path / name / f"s-{i}.tar").write_bytes(b"")
+    assert paths(f"{tmp_path}/*") == [(f"{tmp_path}/a", 1.0), (f"{tmp_path}/b", 1.0)]  # a folder each
+    assert paths(f"{tmp_path}/a/s-*.tar") == [(f"{tmp_path}/a/s-*.tar", 1.0)]  # shard files: one source
+    assert _expand(f"{tmp_path}/a/s-*.tar") == [f"{tmp_path}/a/s-0.tar", f"{tmp_path}/a/s-1.tar"]
+    with pytest.raises(ValueError, match=r"data.sources.*'/nowhere/\*' matches nothing"):
+        load_config(None, ["data.sources=/nowhere/*"])
+    # the long form still works
+    assert load_config(None, ["data.sources=[{path: a, weight: 2}]"]).data.sources[0].weight == 2.0
