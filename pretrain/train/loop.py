@@ -44,7 +44,7 @@ from .init_from import check_init_from, load_init_weights
 from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
 from .optim import build_optimizer, build_scheduler
 from .parallel import apply_parallelism, check_launch, seed_everything, set_deterministic
-from .preflight import check_step_memory, warn_ignored_settings
+from .preflight import check_sources, check_step_memory, warn_ignored_settings
 from .resume_batch import keep_global_batch
 from .runlock import claim_collective
 from .trackers import check_installed
@@ -117,6 +117,8 @@ class Trainer:
         if build_loader is None and not cfg.data.sources:  # fail before minutes of model setup
             raise ValueError("data.sources is empty: point it at shards made by `omniloom data build`, e.g. "
                              "data.sources=shards/train data.tokenizer=tok")
+        if build_loader is None:
+            check_sources(cfg.data)
         # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / CHECKPOINTS)
         init_from = check_init_from(cfg.train.init_from)

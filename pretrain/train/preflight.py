@@ -1,5 +1,6 @@
-"""Checks a run config gets before minutes of setup: will one step fit in memory, and which settings
-are ignored by the model they configure.
+"""Checks a run config gets before minutes of setup: are its local data sources there
+(`check_sources`), will one step fit in memory, and which settings are ignored by the model they
+configure.
 
 `check_step_memory` estimates what one micro-batch keeps for the backward pass from the config
 alone (`step_memory`) and refuses a run whose estimate exceeds the memory of the device it trains
@@ -135,3 +136,14 @@ def warn_ignored_settings(model_cfg, *, quiet: bool = False) -> list[str]:
         for message in messages:
             log.warning("%s", message)
     return messages
+
+
+def check_sources(data_cfg) -> None:
+    """Resolve every local training and held-out source (its manifest, its shards) before minutes of
+    model and optimizer set-up, so that a mistyped folder fails first, in one line. Remote sources
+    (http, object stores, pipe:) are resolved once, by the loader, as before."""
+    from omniloom.data.stream.reader import is_local, resolve_source
+
+    for source in [*data_cfg.sources, *data_cfg.eval_sources]:
+        if source.path and is_local(source.path) and not source.path.startswith("pipe:") and not source.manifest:
+            resolve_source(source)

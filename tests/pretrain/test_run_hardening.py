@@ -825,3 +825,19 @@ def test_resuming_under_another_rope_layout_is_refused_once_the_weights_fit(tmp_
     t = _trainer(tmp_path, *small, "model.rope_layout=sections", "checkpoint.resume=auto", build_model=B.build_model)
     assert t.step == 1
     t.close()
+
+
+def test_a_bad_local_source_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """Issue 41 item 5: a mistyped source was reported only after the model and optimizer were built."""
+    from omniloom.pretrain.train import loop
+
+    def too_late(*a, **k):
+        raise AssertionError("the model was set up before the sources were checked")
+
+    monkeypatch.setattr(loop, "make_accelerator", too_late)
+    (tmp_path / "empty").mkdir()
+    for source, message in ((tmp_path / "nowhere", "no such folder or shard file"),
+                            (tmp_path / "empty", "has no manifest.json")):
+        cfg = load_config("tiny", [f"data.sources={source}", f"train.run_dir={tmp_path / 'run'}"])
+        with pytest.raises(FileNotFoundError, match=message):
+            loop.Trainer(cfg)
