@@ -38,14 +38,31 @@ def _pattern_kinds(attention) -> str:
     return ", ".join(words[k] for k in "LGB" if k in attention.pattern.upper())
 
 
-def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int, num_active: int, dtype: str) -> str:
-    """A short README: what the model is, what it saw, how it ended, how to load it."""
+def front_matter(cfg, *, license: str = "unknown") -> list[str]:
+    """The YAML block the Hugging Face Hub reads from a README: license, library, pipeline, tags."""
+    import re
+
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", license):
+        raise ValueError(f"--license {license!r} is not a Hub license id (lowercase, e.g. apache-2.0, mit, other)")
+    tags = ["omniloom", "multimodal", "early-fusion", "custom_code"]
+    if cfg.model.moe.num_experts > 1:
+        tags.append("mixture-of-experts")
+    if "B" in cfg.model.attention.pattern.upper():
+        tags.append("sparse-attention")
+    return ["---", f"license: {license}", "library_name: transformers", "pipeline_tag: image-text-to-text",
+            "tags:", *[f"- {t}" for t in tags], "---", ""]
+
+
+def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int, num_active: int, dtype: str,
+               license: str = "unknown") -> str:
+    """A short README: the Hub's front matter, what the model is, what it saw, how it ended, how to load it."""
     m = cfg.model
     sources = [f"  - `{s.path}` (weight {s.weight:g})" for s in cfg.data.sources] or ["  - (not recorded)"]
     heldout = [f"  - `{s.path}`" for s in cfg.data.eval_sources]
     losses = _final_losses(ckpt.parent.parent)
     loss_lines = [f"| {k} | {v:.4f} |" for k, v in sorted(losses.items())]
     lines = [
+        *front_matter(cfg, license=license),
         "# omniloom model",
         "",
         f"A native multimodal sparse-attention MoE decoder (text, code, images, videos in one token stream), "

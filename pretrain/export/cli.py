@@ -14,7 +14,7 @@ def _export(args) -> int:
     from .write import export_checkpoint
 
     res = export_checkpoint(args.src, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, tokenizer=args.tokenizer,
-                            force=args.force)
+                            force=args.force, license=args.license)
     print(f"exported {res.checkpoint} -> {res.out_dir}: {res.num_params / 1e6:.2f} M parameters, "
           f"{len(res.files)} safetensors file(s), {res.total_bytes / 1e6:.1f} MB")
     return 0
@@ -39,5 +39,8 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weight dtype (bf16 keeps 1-D norms/biases in fp32; default fp32)")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 2GB, 500MiB (default 5GB)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder, when the run's data.tokenizer path has moved")
+    p.add_argument("--license", default="unknown", metavar="ID",
+                   help="the license in the model card's Hub front matter: a Hugging Face Hub license id "
+                        "(apache-2.0, mit, cc-by-4.0, other, ...); default unknown: the data's licenses decide it")
     p.add_argument("--force", action="store_true", help="write into an --out folder that already holds files (the export's files are replaced)")
     p.set_defaults(func=_export)

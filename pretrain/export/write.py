@@ -60,7 +60,7 @@ class ExportResult:
 
 
 def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp32", max_shard_size: str | int = "5GB",
-                      tokenizer: str | Path | None = None, force: bool = False) -> ExportResult:
+                      tokenizer: str | Path | None = None, force: bool = False, license: str = "unknown") -> ExportResult:
     """Export a run (its newest complete checkpoint) or a checkpoint folder into `out_dir`.
 
     dtype "bf16" stores the matrices in bfloat16; 1-D tensors (norm weights, router biases) stay
@@ -85,7 +85,7 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
     tokens_seen = int(trainer.get("tokens_seen", 0))
     source = {"checkpoint": str(ckpt.resolve()), "step": step, "tokens_seen": tokens_seen, "seq_len": cfg.data.seq_len}
     card = model_card(cfg, ckpt, step=step, tokens_seen=tokens_seen, num_params=model.num_params(),
-                      num_active=model.num_active_params(), dtype=dtype)
+                      num_active=model.num_active_params(), dtype=dtype, license=license)
     result = save_export(model, tok_dir, out, dtype=dtype, max_shard_size=max_shard_size, source=source, card=card,
                          model_config=cfg.model, force=force)  # the training backend is recorded; load_pretrained adapts it
     result.checkpoint = ckpt

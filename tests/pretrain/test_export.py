@@ -424,3 +424,30 @@ def test_the_model_card_describes_only_the_layer_kinds_of_its_pattern(tmp_path):
     line = next(x for x in card("LLLG").splitlines() if x.startswith("- attention pattern"))
     assert line == "- attention pattern `LLLG` (L: sliding window of 128 tokens, G: global)"
     assert "B: the top 4 of 32-token blocks" in card("LLBG") and "sliding window" not in card("GGBG")
+
+
+def test_the_model_card_has_the_hubs_front_matter(tmp_path, tok_dir):
+    """Issue 41 item 5: the export's README had no Hub front matter (license, library_name,
+    pipeline_tag, tags); it is read here by huggingface_hub's own ModelCard parser."""
+    from huggingface_hub import ModelCard
+
+    from omniloom.pretrain.cli import main
+    from omniloom.pretrain.config.run import load_config
+    from omniloom.pretrain.export.card import model_card
+
+    def card(*overrides, **kw) -> str:
+        cfg = load_config("tiny", list(overrides))
+        return model_card(cfg, tmp_path / "run" / "checkpoints" / "step_00000001", step=1, tokens_seen=10,
+                          num_params=10, num_active=10, dtype="fp32", **kw)
+
+    data = ModelCard(card()).data.to_dict()
+    assert data["license"] == "unknown" and data["library_name"] == "transformers"
+    assert data["pipeline_tag"] == "image-text-to-text"
+    assert {"omniloom", "multimodal", "mixture-of-experts", "custom_code"} <= set(data["tags"])
+    assert ModelCard(card("model.moe.num_experts=0", license="apache-2.0")).data.to_dict()["license"] == "apache-2.0"
+    assert "mixture-of-experts" not in ModelCard(card("model.moe.num_experts=0")).data.to_dict()["tags"]
+    with pytest.raises(ValueError, match="is not a Hub license id"):
+        card(license="Apache 2.0\nlicense: mit")
+    run, _ = make_run(tmp_path / "run", tok_dir)
+    assert main(["-qq", "export", str(run), "--out", str(tmp_path / "out"), "--license", "mit"]) == 0
+    assert ModelCard.load(tmp_path / "out" / "README.md").data.to_dict()["license"] == "mit"
