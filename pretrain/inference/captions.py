@@ -301,4 +301,11 @@ def format_captions(res: dict) -> list[str]:
             moved = f"{p[attr + '_changed']:.1%} of {p[attr + '_docs']} ({attr})" if attr and attr + "_changed" in p else "-"
             right = f"{p[attr + '_transformed']:.1%}" if attr and attr + "_transformed" in p else "-"
             lines.append(f"| {name} | {p['docs']} | {p['changed']:.1%} | {moved} | {right} |")
+    examples = res.get("examples") or []
+    if examples:
+        lines.append(f"examples ({len(examples)}, spread over the documents; = exact, x not):")
+        for ex in examples:
+            mark = "=" if ex["generated"] == ex["true"] else "x"
+            lines.append(f"  {mark} {ex['kind']:<5}  true: {ex['true']!r}")
+            lines.append(f"           generated: {ex['generated']!r}")
     return lines

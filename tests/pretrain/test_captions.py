@@ -178,6 +178,10 @@ def test_eval_captions_cli_writes_the_benchmark(tok, heldout, tmp_path, capsys):
     assert 0 <= res["exact"]["image"] <= 1 and res["attributes"]["image"]["column"]["majority"] > 0
     printed = capsys.readouterr().out
     assert "exact captions: image" in printed and "| column |" in printed
+    # issue 41 item 5: a few captions themselves, true and generated, not only the percentages
+    ex = res["examples"][0]
+    assert f"true: {ex['true']!r}" in printed and f"generated: {ex['generated']!r}" in printed
+    assert printed.count("true: ") == len(res["examples"]) >= 2
 
 
 def test_generation_never_emits_the_patch_token(tok):
