@@ -106,6 +106,21 @@ def _settings_from_args(args):
     return MediaSettings(**changes)
 
 
+def video_span_line(settings, videos: int, longer: int) -> str:
+    """What a video block keeps of a long video, said once where the settings are chosen (issue 41:
+    long videos trained on their first 7 s and nothing said so)."""
+    n, fps = settings.video_frame_budget, settings.video_fps
+    if settings.video_sampling == "spread":
+        return (f"videos: {n} frames spread over each whole video (video_sampling spread); {videos} video(s) in "
+                "this corpus")
+    start = settings.video_clip_start
+    span = f"{start:g}-{start + n / fps:g} s" if start else f"the first {n / fps:g} s"
+    found = f"{longer} of {videos} video(s) in this corpus are longer and lose the rest" if videos else "no videos in this corpus"
+    return (f"videos: each trains on {span} ({n} frames at {fps:g} fps, video_sampling clip); {found}. "
+            "To keep more: --video-sampling spread (the frames spread over the whole video), or a larger "
+            "--video-frame-budget / smaller --video-fps (a longer video block: mind data.seq_len)")
+
+
 def _train(args) -> int:
     from omniloom.tokenizers.text import META_FILE, MODEL_FILE, has_tokenizer, train_tokenizer
 
@@ -130,6 +145,7 @@ def _train(args) -> int:
         f"{corpus.get('documents', 0)} documents, {corpus.get('chunks_sampled', 0)}/{corpus.get('chunks_seen', 0)} chunks used, "
         f"patch_dim {tok.patch_dim}, tubelet_dim {tok.tubelet_dim}"
     )
+    print(video_span_line(tok.settings, corpus.get("video_segments", 0), corpus.get("videos_longer_than_kept", 0)))
     skipped = {k: v for k, v in corpus.items() if k.startswith("bad") or k.startswith("truncated")}
     if skipped:
         print(f"skipped: {skipped}")

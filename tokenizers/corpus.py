@@ -90,14 +90,24 @@ def iter_shard_docs(shards: Iterable[Path], stats: Counter | None = None) -> Ite
                 log.warning("shard %s is truncated or corrupt after some documents: %s", path, err)
 
 
-def iter_text_segments(docs: Iterable[tuple[str, dict]], stats: Counter | None = None) -> Iterator[str]:
-    """The text of every text and code segment (code prefixed with `lang\\n`, as the layout encodes it)."""
+def iter_text_segments(docs: Iterable[tuple[str, dict]], stats: Counter | None = None, *,
+                       video_seconds: float | None = None) -> Iterator[str]:
+    """The text of every text and code segment (code prefixed with `lang\\n`, as the layout encodes it).
+    Videos are counted on the way (`video_segments`), and with `video_seconds` (the span a video
+    block keeps) those whose recorded duration is longer (`videos_longer_than_kept`)."""
     stats = stats if stats is not None else Counter()
     for _key, doc in docs:
+        media = doc.get("meta", {}).get("media", {}) if isinstance(doc.get("meta"), dict) else {}
         for seg in doc["segments"]:
             kind = seg.get("type") if isinstance(seg, dict) else None
             text = seg.get("text") if isinstance(seg, dict) else None
-            if kind in ("text", "code") and isinstance(text, str):
+            if kind == "video":
+                stats["video_segments"] += 1
+                info = media.get(seg.get("ref")) if isinstance(media, dict) else None
+                duration = info.get("duration") if isinstance(info, dict) else None
+                if video_seconds is not None and isinstance(duration, (int, float)) and duration > video_seconds + 1e-6:
+                    stats["videos_longer_than_kept"] += 1
+            elif kind in ("text", "code") and isinstance(text, str):
                 stats[f"{kind}_segments"] += 1
                 if kind == "code":
                     text = f"{seg.get('lang') or ''}\n{text}"

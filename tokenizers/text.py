@@ -318,7 +318,10 @@ def train_tokenizer(
             from tqdm import tqdm
 
             docs = tqdm(docs, desc="reading documents", unit="doc", mininterval=1.0)
-        texts = corpus.iter_text_segments(docs, stats)
+        kept = settings or MediaSettings()
+        # the span a video block keeps: clip sampling keeps frame_budget frames at fps from the clip start
+        span = kept.video_frame_budget / kept.video_fps if kept.video_sampling == "clip" else None
+        texts = corpus.iter_text_segments(docs, stats, video_seconds=span)
         source_desc = [str(p) for p in shards]
     else:
         texts = source

@@ -166,3 +166,26 @@ def test_bench_quick_runs():
     names = [r["name"] for r in figures["rows"]]
     assert any(n.startswith("text") for n in names) and any(n.startswith("image") for n in names) and any(n.startswith("video") for n in names)
     assert all(r["ours"] > 0 and r["reference"] > 0 for r in figures["rows"])
+
+
+def test_train_summary_says_how_much_of_a_long_video_trains(tmp_path, capsys):
+    """Issue 41 item 5: long videos trained on their first 7 s by default and nothing said so. The
+    build records each video's duration in the document's meta; the tokenizer summary counts the
+    videos longer than the span a block keeps and says how to change it."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    docs = [(f"d{i:03d}", {"schema": 1, "segments": [
+        {"type": "text", "text": f"Document {i} talks about rivers, mills and meadows in spring.\n"},
+        {"type": "video", "ref": "vid0.mp4"}], "meta": {"media": {"vid0.mp4": {"duration": float(3 + 2 * i)}}}},
+        {"vid0.mp4": b"not read by the tokenizer trainer"}) for i in range(6)]  # 3, 5, 7, 9, 11, 13 s
+    _write_shard(shards / "s-000000.tar", docs)
+    assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "videos: each trains on the first 7 s (14 frames at 2 fps, video_sampling clip); 3 of 6 video(s) in this corpus are longer" in out
+    assert "--video-sampling spread" in out
+    assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(tmp_path / "b"),
+                 "--video-fps", "1"]) == 0
+    assert "the first 14 s (14 frames at 1 fps, video_sampling clip); 0 of 6 video(s)" in capsys.readouterr().out
+    assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(tmp_path / "c"),
+                 "--video-sampling", "spread"]) == 0
+    assert "videos: 14 frames spread over each whole video (video_sampling spread); 6 video(s)" in capsys.readouterr().out
