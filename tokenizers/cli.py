@@ -20,7 +20,9 @@ _MEDIA_FLAGS = (
     ("--video-fps", "video_fps", float, "video sampling rate in frames per second (default 2)"),
     ("--video-frame-budget", "video_frame_budget", int, "most sampled frames per video (default 14: a 450-token block fits seq_len 512)"),
     ("--video-patch-budget", "video_patch_budget", int, "most patches per video frame (default 64)"),
-    ("--video-sampling", "video_sampling", str, "long videos: 'clip' keeps the first frames, 'spread' spreads the budget over the whole video"),
+    ("--video-sampling", "video_sampling", str, "long videos: 'clip' keeps the first frames (default: the first 7 s), "
+     "'spread' spreads the budget over the whole video"),
+    ("--video-clip-start", "video_clip_start", float, "with clip sampling: the second the clip starts at (default 0)"),
 )
 
 

@@ -186,6 +186,9 @@ def test_train_summary_says_how_much_of_a_long_video_trains(tmp_path, capsys):
     assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(tmp_path / "b"),
                  "--video-fps", "1"]) == 0
     assert "the first 14 s (14 frames at 1 fps, video_sampling clip); 0 of 6 video(s)" in capsys.readouterr().out
+    assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(tmp_path / "d"),
+                 "--video-clip-start", "2"]) == 0
+    assert "each trains on 2-9 s (14 frames at 2 fps" in capsys.readouterr().out
     assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(tmp_path / "c"),
                  "--video-sampling", "spread"]) == 0
     assert "videos: 14 frames spread over each whole video (video_sampling spread); 6 video(s)" in capsys.readouterr().out
