@@ -276,11 +276,12 @@ def _summary(out: Path, timings: dict, wall: float | None = None) -> None:
 def register(sub) -> None:
     p = sub.add_parser(
         "demo",
-        help="run the whole pipeline on an embedded demo corpus (CPU; under 5 minutes on an idle 2-core machine)",
+        help="run the whole pipeline on an embedded demo corpus (CPU; 4-6 minutes on a 2-core machine with little else running)",
         description="Demo corpus -> data build -> tokenizer train -> `omniloom launch` (accelerate) training of a tiny "
         "sparse-attention MoE -> eval (held-out loss, cross-modal gap, captions from the pixels) -> export -> "
-        "generate from an image -> HTML report. Takes under 5 minutes on an idle 2-core machine (about 4 min "
-        "measured, training 3 min 37 s of it; BENCHMARKS.md), several times longer when other jobs share the "
+        "generate from an image -> HTML report. Takes 4-6 minutes on a 2-core machine with little else running "
+        "(measured: 3 min 58 s to 4 min 2 s on one machine, 5 min 42 s on another 2-core machine on another day; "
+        "training is about 90% of it; BENCHMARKS.md), several times longer when other jobs share the "
         "cores. Training shows a progress bar on a terminal, else a line every 30 s (step, loss, tokens/s, "
         "time left). After training, eval runs beside export and generate when the cores allow (one "
         "thread each). Finished stages are skipped on a re-run (use --fresh to start over).",
