@@ -3,7 +3,8 @@
 Weights only: the optimizer, schedule, step and data position start fresh. The export is an
 `omniloom export` folder or a Hugging Face `save_pretrained` folder of one (config.json keeps
 omniloom's keys there, and the weights keep omniloom's names), so a model fine-tuned in Hugging
-Face comes back. Its weights must fit this run's model exactly (every tensor name and shape);
+Face comes back, and so does a PEFT LoRA adapter folder: it is merged onto the export its
+`adapter_config.json` names (pretrain/train/adapter.py). Its weights must fit this run's model exactly (every tensor name and shape);
 settings that do not change a shape (attention backend, window, rotary layout...) come from this
 run's config, and where they differ from the export's a warning names them. A run resumed from
 its own checkpoint ignores init_from (the checkpoint already holds trained weights).
@@ -29,9 +30,11 @@ def check_init_from(path: str) -> Path | None:
         return None
     from omniloom.model.pretrained import read_export_config
 
+    from .adapter import adapter_base, is_adapter
+
     folder = Path(path)
     try:
-        read_export_config(folder)
+        read_export_config(adapter_base(folder) if is_adapter(folder) else folder)
     except (FileNotFoundError, ValueError) as err:
         raise ValueError(f"train.init_from={path}: {err}") from err
     return folder
@@ -48,6 +51,9 @@ def load_init_weights(model, folder: Path, run_cfg, *, expert_range: tuple[int, 
         read_safetensors_shapes,
     )
 
+    from .adapter import adapter_base, is_adapter, merge_adapter
+
+    adapter, folder = (folder, adapter_base(folder)) if is_adapter(folder) else (None, folder)
     info = read_export_config(folder)
     full = dataclasses.replace(run_cfg.model, moe=dataclasses.replace(run_cfg.model.moe, expert_parallel=1))
     try:
@@ -71,6 +77,12 @@ def load_init_weights(model, folder: Path, run_cfg, *, expert_range: tuple[int, 
     if changed:
         log.warning("train.init_from: this run's model settings differ from the export's in %s", "; ".join(changed))
     state = read_safetensors(folder)
+    if adapter is not None:
+        try:
+            merged = merge_adapter(state, adapter)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"train.init_from={adapter}: {err}") from err
+        log.info("train.init_from: merged the LoRA adapter %s (%d weights) onto %s", adapter, len(merged), folder)
     mine = model.state_dict()
     with torch.no_grad():
         for name, tensor in mine.items():

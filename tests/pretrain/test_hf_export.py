@@ -141,7 +141,7 @@ def setup(tmp_path_factory):
         ("processor:frames", {"text": "Frames", "videos": "@frames"}),
         ("processor:pixels", {"text": "Pixels", "images": "@pixels"}),
         ("pipeline", {"prompt": TEXT_PROMPT, "max_new_tokens": 8}),
-        ("bf16", "packed"), ("lora", {"targets": ["wo", "w_down"], "batch": "packed"}),
+        ("bf16", "packed"), ("lora", {"targets": ["wo", "w_down"], "batch": "packed", "save": str(root / "lora")}),
         ("lora:fused", {"targets": ["wq", "wv"], "batch": "packed", "refused": True}),
         ("save", str(root / "saved_by_hf")),
     ]
@@ -329,6 +329,46 @@ def test_a_folder_saved_by_hugging_face_loads_in_omniloom(pooled, setup):
         want = omniloom_model(export)(**batch.as_dict(), return_logits=True).logits
         got = omniloom_model(saved)(**batch.as_dict(), return_logits=True).logits
     assert torch.equal(got, want)
+
+
+def test_init_from_a_peft_lora_adapter_merges_it_onto_its_base_export(pooled, tmp_path):
+    """Issue 41 item 3: `train.init_from=ADAPTER_DIR` said "has no config.json" without a word about
+    merging. The adapter is merged onto the export its adapter_config.json names, giving the
+    weights PEFT's own merge_and_unload gives."""
+    import dataclasses
+    import shutil
+
+    from omniloom.model import OmniModel
+    from omniloom.model.pretrained import model_config_from_dict, read_safetensors
+    from omniloom.pretrain.config.run import RunConfig
+    from omniloom.pretrain.train.init_from import check_init_from, load_init_weights
+
+    export, res = pooled
+    if "skipped" in res["lora"]:
+        pytest.skip(res["lora"]["skipped"])
+    adapter, merged = Path(res["lora"]["saved"]) / "adapter", Path(res["lora"]["saved"]) / "merged"
+    assert check_init_from(str(adapter)) == adapter
+    cfg = dataclasses.replace(RunConfig(), model=model_config_from_dict(json.loads((export / "config.json").read_text())["model"]))
+    model = OmniModel(cfg.model)
+    load_init_weights(model, adapter, cfg)
+    want, got = read_safetensors(merged), model.state_dict()
+    base = read_safetensors(export)
+    changed = [n for n in want if not torch.equal(want[n], base[n])]
+    assert changed and all(n.endswith((".wo.weight", ".w_down.weight")) for n in changed)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # an adapter whose base is not here says how to point it there, or to merge it with PEFT
+    moved = tmp_path / "adapter"
+    shutil.copytree(adapter, moved)
+    conf = json.loads((moved / "adapter_config.json").read_text())
+    conf["base_model_name_or_path"] = str(tmp_path / "gone")
+    (moved / "adapter_config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match=r"is a PEFT LoRA adapter of .*gone.*set base_model_name_or_path in .*merge_and_unload"):
+        check_init_from(str(moved))
+    conf.update(base_model_name_or_path=str(export), use_dora=True)
+    (moved / "adapter_config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="use_dora is set; merge it with PEFT"):
+        check_init_from(str(moved))
 
 
 LM_EVAL_TASK = """task: omniloom_local

@@ -133,7 +133,12 @@ def task_lora(ctx, arg):
         losses.append(float(out.loss))
     changed = sum(not torch.equal(a, b.detach()) for a, b in zip(before, params))
     frozen = sum(p.numel() for p in lora.parameters() if not p.requires_grad)
-    return {"losses": losses, "trainable": len(params), "changed": changed, "frozen": frozen}
+    out = {"losses": losses, "trainable": len(params), "changed": changed, "frozen": frozen}
+    if arg.get("save"):  # the adapter as PEFT saves it, and PEFT's own merge of it, for train.init_from
+        lora.save_pretrained(f"{arg['save']}/adapter")
+        lora.merge_and_unload().save_pretrained(f"{arg['save']}/merged")
+        out["saved"] = arg["save"]
+    return out
 
 
 def task_lm_eval(ctx, arg):
