@@ -76,7 +76,7 @@ def _generate(args) -> int:
     text, res = generate_from_export(
         args.model, args.prompt, image=args.image, video=args.video, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device, use_cache=not args.no_cache,
-        offload_b=args.offload_b_keys,
+        offload_b=args.offload_b_keys, tokenizer=args.tokenizer,
     )
     n = len(res.ids)
     log.info("%d prompt tokens, %d new tokens in %.2fs (%.1f tok/s), stopped by %s, cache %.1f KB",
@@ -126,6 +126,9 @@ def register(sub) -> None:
     )
     p.add_argument("model", metavar="DIR", help="a folder written by `omniloom export`")
     p.add_argument("--prompt", default="", help="prompt text (may be empty with --image/--video)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a folder holding the export's tokenizer, when DIR has none (e.g. a Hugging Face save_pretrained "
+                   "folder of the model alone); checked against the sha256 DIR's config.json records")
     p.add_argument("--image", default=None, help="image file placed before the prompt text")
     p.add_argument("--video", default=None, help="video file placed before the prompt text (after the image)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to generate (default 64; stops at eos)")

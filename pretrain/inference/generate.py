@@ -272,13 +272,14 @@ def _av_message(err: BaseException) -> str:
 def generate_from_export(model_dir: str | Path, prompt: str = "", *, image: str | Path | None = None,
                          video: str | Path | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
                          top_p: float = 1.0, seed: int = 0, device: str | None = None, use_cache: bool = True,
-                         offload_b: bool = False) -> tuple[str, Generation]:
-    """Load an export folder and its tokenizer, build the prompt, generate; returns (text, Generation)."""
+                         offload_b: bool = False, tokenizer: str | Path | None = None) -> tuple[str, Generation]:
+    """Load an export folder and its tokenizer (or `tokenizer`, another folder holding the export's),
+    build the prompt, generate; returns (text, Generation)."""
     from omniloom.model.pretrained import load_pretrained
 
     from .load import load_export_tokenizer
 
-    tok = load_export_tokenizer(model_dir)  # reads config.json first: a folder that is no export says so
+    tok = load_export_tokenizer(model_dir, tokenizer)  # reads config.json first: a folder that is no export says so
     media = {}
     for name, path in (("image", image), ("video", video)):
         if path is not None:

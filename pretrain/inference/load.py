@@ -16,7 +16,7 @@ def load_export_tokenizer(export_dir: str | Path, tokenizer: str | Path | None =
     tokenizer files must not link out of the folder (as its weights must not). An export that
     records no hash (older omniloom) is not compared."""
     from omniloom.model.pretrained import _inside, read_export_config
-    from omniloom.tokenizers.text import SAVED_FILES, Tokenizer
+    from omniloom.tokenizers.text import META_FILE, MODEL_FILE, SAVED_FILES, Tokenizer
 
     export_dir = Path(export_dir)
     want = (read_export_config(export_dir).get("tokenizer") or {}).get("model_sha256")
@@ -25,6 +25,13 @@ def load_export_tokenizer(export_dir: str | Path, tokenizer: str | Path | None =
         for name in SAVED_FILES:
             if (export_dir / name).exists() or (export_dir / name).is_symlink():
                 _inside(export_dir, export_dir / name)
+    if tokenizer is None and not ((export_dir / MODEL_FILE).is_file() and (export_dir / META_FILE).is_file()):
+        raise FileNotFoundError(
+            f"{export_dir} holds no omniloom tokenizer ({MODEL_FILE} and {META_FILE}); a Hugging Face "
+            f"save_pretrained folder carries them when the processor is saved too "
+            f"(AutoProcessor.from_pretrained(EXPORT, trust_remote_code=True).save_pretrained(DIR)); otherwise copy "
+            f"those two files from the export this model came from into {export_dir}, or pass --tokenizer EXPORT "
+            "(checked against the sha256 config.json records). A tokenizer trained anew would give other ids")
     tok = Tokenizer.load(src)  # checks tokenizer.model against the folder's own recorded sha256 first
     got = tok.to_json()["model_sha256"]
     if want and got != want:

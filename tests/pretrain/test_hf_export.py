@@ -143,7 +143,7 @@ def setup(tmp_path_factory):
         ("pipeline", {"prompt": TEXT_PROMPT, "max_new_tokens": 8}),
         ("bf16", "packed"), ("lora", {"targets": ["wo", "w_down"], "batch": "packed", "save": str(root / "lora")}),
         ("lora:fused", {"targets": ["wq", "wv"], "batch": "packed", "refused": True}),
-        ("save", str(root / "saved_by_hf")),
+        ("save", str(root / "saved_by_hf")), ("save_processor", str(root / "saved_by_hf")),
     ]
     runs = {}
     for name, spec in EXPORTS.items():
@@ -329,6 +329,37 @@ def test_a_folder_saved_by_hugging_face_loads_in_omniloom(pooled, setup):
         want = omniloom_model(export)(**batch.as_dict(), return_logits=True).logits
         got = omniloom_model(saved)(**batch.as_dict(), return_logits=True).logits
     assert torch.equal(got, want)
+
+
+def test_generate_on_a_folder_saved_by_hugging_face(pooled, setup, tmp_path, capsys):
+    """Issue 41 item 3: `generate` / `eval` (one tokenizer loader) on a save_pretrained folder advised `omniloom tokenizer
+    train` (a new tokenizer has other ids). The processor's save_pretrained now carries omniloom's
+    two tokenizer files, so the folder works as the export does; a folder without them says to copy
+    them from the export (or to save the processor), and --tokenizer EXPORT works."""
+    import shutil
+
+    from omniloom.pretrain.cli import main
+
+    export, res = pooled
+    saved = Path(res["save"]["saved"])
+    assert (saved / "tokenizer.model").read_bytes() == (export / "tokenizer.model").read_bytes()
+    assert (saved / "omniloom_tokenizer.json").is_file()
+    outs = []
+    for folder in (export, saved):
+        assert main(["-qq", "generate", str(folder), "--prompt", "The river", "--max-new-tokens", "6"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].strip()
+    bare = tmp_path / "model_only"
+    bare.mkdir()
+    for p in saved.iterdir():
+        if p.name in ("config.json", "model.safetensors") or p.suffix == ".py":
+            shutil.copy(p, bare / p.name)
+    assert main(["-qq", "generate", str(bare), "--prompt", "The river", "--max-new-tokens", "6"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no omniloom tokenizer" in err and "copy those two files" in err and "omniloom tokenizer train" not in err
+    assert err.count("\n") == 1
+    assert main(["-qq", "generate", str(bare), "--tokenizer", str(export), "--prompt", "The river", "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == outs[0]
 
 
 def test_init_from_a_peft_lora_adapter_merges_it_onto_its_base_export(pooled, tmp_path):

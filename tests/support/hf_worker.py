@@ -162,6 +162,11 @@ def task_save(ctx, arg):
     return {"saved": arg}
 
 
+def task_save_processor(ctx, arg):
+    transformers.AutoProcessor.from_pretrained(ctx["export"], trust_remote_code=True).save_pretrained(arg)
+    return {"saved": arg}
+
+
 TASKS = {name[5:]: fn for name, fn in globals().items() if name.startswith("task_")}
 
 

@@ -26,6 +26,10 @@ from .tokenizers_text import Tokenizer
 from .tokenizers_unified import tokenize_document
 
 INPUT_NAMES = ("input_ids", "attention_mask", "positions", "block_ids", "modality", "patches", "patch_kind")
+# omniloom's own tokenizer files: save_pretrained carries them along, so that a folder saved here
+# still works with `omniloom generate` / `eval` (config.json records the tokenizer.model's sha256)
+OMNILOOM_TOKENIZER_FILES = ("tokenizer.model", "omniloom_tokenizer.json")
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
 
 
 class OmniloomProcessor(ProcessorMixin):
@@ -35,6 +39,26 @@ class OmniloomProcessor(ProcessorMixin):
         super().__init__(tokenizer, chat_template=chat_template)
         self.settings = MediaSettings.from_dict(self.media)
         self._tokenizer = Tokenizer(tokenizer, self.settings)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        proc = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        proc._omniloom_files = _omniloom_files(pretrained_model_name_or_path, kwargs)
+        return proc
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Hugging Face's files, plus omniloom's tokenizer.model and omniloom_tokenizer.json from
+        the folder this processor came from (copied first, so that push_to_hub uploads them too)."""
+        import shutil
+
+        files = getattr(self, "_omniloom_files", [])
+        if files:
+            Path(save_directory).mkdir(parents=True, exist_ok=True)
+            for src in files:
+                dst = Path(save_directory) / Path(src).name
+                if not dst.exists() or not dst.samefile(src):
+                    shutil.copyfile(src, dst)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     @property
     def model_input_names(self) -> list[str]:
@@ -124,3 +148,23 @@ class OmniloomProcessor(ProcessorMixin):
         tensors["patches"] = torch.from_numpy(np.concatenate(patches)) if patches else torch.zeros(0, width)
         tensors["patch_kind"] = torch.from_numpy(np.concatenate(kinds)) if kinds else torch.zeros(0, dtype=torch.uint8)
         return tensors
+
+
+def _omniloom_files(name_or_path, kwargs: dict) -> list[str]:
+    """The local paths of omniloom's tokenizer files for a folder or a Hub repo id ([] if absent)."""
+    folder = Path(str(name_or_path))
+    if folder.is_dir():
+        sub = folder / kwargs["subfolder"] if kwargs.get("subfolder") else folder
+        return [str(sub / n) for n in OMNILOOM_TOKENIZER_FILES if (sub / n).is_file()]
+    from transformers.utils import cached_file
+
+    found = []
+    for name in OMNILOOM_TOKENIZER_FILES:
+        try:
+            path = cached_file(str(name_or_path), name, _raise_exceptions_for_missing_entries=False,
+                               **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+        except OSError:
+            path = None
+        if path:
+            found.append(path)
+    return found
