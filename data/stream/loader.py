@@ -532,12 +532,15 @@ class StreamLoader:
         return {"version": STATE_VERSION, "rank": self.rank, "fingerprint": self._fingerprint(),
                 "consumed": self.consumed, "workers": copy.deepcopy(self._states)}
 
-    def load_state_dict(self, state: dict | list[dict]) -> None:
+    def load_state_dict(self, state: dict | list[dict], *, sources: str = "exact") -> None:
         """Continue from `state`: this rank's saved state, or the list of every saved rank's state.
 
         Same layout (world_size x workers): exact resume from this rank's state. Another layout:
         the states of every saved rank are pooled and redistributed (data/stream/elastic.py), which needs
-        the whole list (or the one state of a 1-process run). Another data config: ValueError."""
+        the whole list (or the one state of a 1-process run). Another data config: ValueError, except
+        with `sources="keep_unchanged"`, where the sources may differ (added, removed, reordered,
+        reweighted): those of the same label and sample count continue where they were, the others
+        start at their beginning (data/stream/remix.py; needs every saved rank's state)."""
         from .state_check import check_loader_state, check_shape
 
         states = [state] if isinstance(state, dict) else list(state)
@@ -549,6 +552,9 @@ class StreamLoader:
         states = [self._upgrade(st) for st in states]
         for st, who in zip(states, names):
             check_loader_state(st, who)
+        self.remixed = None
+        if sources == "keep_unchanged":
+            states = self._remix(states)
         old, new = states[0]["fingerprint"], self._fingerprint()
         layout = ("world_size", "num_workers")
         diff = [k for k in new if k not in layout and json_safe(old.get(k)) != json_safe(new[k])]
@@ -591,6 +597,22 @@ class StreamLoader:
                      "worker(s); the unread rest of each source's epoch and the buffered documents were "
                      "redistributed (each document still trained on once per epoch, in another order)",
                      *self.resumed_from, self.world_size, self.num_logical)
+
+    def _remix(self, states: list[dict]) -> list[dict]:
+        """The saved states rewritten for this run's mix of sources (data/stream/remix.py)."""
+        from .remix import describe, plan, remap_states
+
+        old, new = states[0]["fingerprint"]["sources"], self._fingerprint()["sources"]
+        if json_safe(old) == json_safe(new):
+            return states
+        world = int(states[0]["fingerprint"]["world_size"])
+        if sorted(int(st["rank"]) for st in states) != list(range(world)):
+            raise ValueError(f"changing the data mix on resume needs the data state of every saved rank (0..{world - 1}); "
+                             "load all data_rank*.pt files of the checkpoint (the trainer does)")
+        self.remixed = describe(old, new, plan(old, new))
+        if self.rank == 0:
+            log.info("data mix changed on resume (checkpoint.resume_data=keep_unchanged): %s", self.remixed)
+        return remap_states(states, new, [[sh.num_samples for sh in s.shards] for s in self.sets], self.cfg.seed)
 
     def _upgrade(self, state: dict) -> dict:
         from .elastic import upgrade_state
