@@ -537,7 +537,8 @@ class StreamLoader:
 
         Same layout (world_size x workers): exact resume from this rank's state. Another layout:
         the states of every saved rank are pooled and redistributed (data/stream/elastic.py), which needs
-        the whole list (or the one state of a 1-process run). Another data config: ValueError."""
+        the whole list (or the one state of a 1-process run). Another data config: ValueError
+        (another data.batch_size is not one: the rows go on, in batches of the new size)."""
         from .state_check import check_loader_state, check_shape
 
         states = [state] if isinstance(state, dict) else list(state)
@@ -551,11 +552,18 @@ class StreamLoader:
             check_loader_state(st, who)
         old, new = states[0]["fingerprint"], self._fingerprint()
         layout = ("world_size", "num_workers")
-        diff = [k for k in new if k not in layout and json_safe(old.get(k)) != json_safe(new[k])]
+        # batch_size may change too: a worker's state counts documents and rows, never batches of a
+        # size (cursors, buffers by reference, the RNG), so the rows go on as they would have, cut
+        # into batches of the new size: none lost, none repeated (docs/resume.md)
+        free = (*layout, "batch_size")
+        diff = [k for k in new if k not in free and json_safe(old.get(k)) != json_safe(new[k])]
         if diff:
             details = "; ".join(f"{k}: saved {old.get(k)!r}, now {new[k]!r}" for k in diff)
             raise ValueError(f"data-loader state does not match this data config ({details}); "
                              "resume with the config it was saved with")
+        if old.get("batch_size") != self.cfg.batch_size and self.rank == 0:
+            log.info("data stream resumed with data.batch_size=%s (saved with %s): the same rows follow, %s per batch",
+                     self.cfg.batch_size, old.get("batch_size"), self.cfg.batch_size)
         if (old["world_size"], max(old["num_workers"], 1)) == (self.world_size, self.num_logical):
             mine = [st for st in states if st["rank"] == self.rank] if len(states) > 1 else states
             if len(mine) != 1 or mine[0]["rank"] != self.rank:
