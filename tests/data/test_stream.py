@@ -386,6 +386,24 @@ def test_doc_cache_is_off_by_default_and_for_evaluation(corpus):
         _cfg([(a, 1.0)], doc_cache_mb=-1)
 
 
+@pytest.mark.parametrize("value", ["1e-300", "0.0005"])
+def test_a_cache_budget_below_one_kib_is_refused_where_the_config_is_read(value, tmp_path, capsys):
+    """Issue 39 item 9: data.doc_cache_mb=1e-300 rounds to a budget of 0 bytes; with loader workers
+    each worker failed with its whole traceback. Now the config refuses it in one line, before
+    any worker starts (and before the run folder is touched)."""
+    from omniloom.pretrain.cli import main
+
+    with pytest.raises(ValueError, match=rf"data.doc_cache_mb={value} is below the smallest cache, 1 KiB"):
+        DataConfig(sources=[SourceConfig(path="x")], doc_cache_mb=float(value), num_workers=2)
+    DataConfig(sources=[SourceConfig(path="x")], doc_cache_mb=1 / 1024, num_workers=2)  # the smallest cache
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), "tiny", f"data.doc_cache_mb={value}", "data.num_workers=2",
+                 f"data.sources=[{{path: {tmp_path}}}]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.doc_cache_mb" in err[0] and "use 0 to turn the cache off" in err[0], err
+    assert not run.exists()
+
+
 class _FailsOnceEach:
     """SyntheticTokenizer that raises an unexpected error (no `reason`) the first time it sees a document."""
 
