@@ -613,13 +613,24 @@ class SampleReader:
             self._read_ahead(shard_idx, sample_idx)
         return doc
 
-    def _shard_stat(self, shard_idx: int) -> tuple[int, int] | None:
+    def shard_identity(self, shard_idx: int) -> tuple[int, int, int, int] | None:
+        """(size, mtime_ns, inode, device) of a local shard as the next read would see it (the open
+        file when it is this shard's, else the path), so that a shard rewritten or replaced since
+        tells itself apart; None for a remote one (a URL or `pipe:`, which has none without
+        reading it) or one that cannot be stat'ed (its read says why)."""
+        st = self._stat(shard_idx) if is_local(self.shards[shard_idx].url) else None
+        return None if st is None else (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+    def _stat(self, shard_idx: int) -> os.stat_result | None:
         url = self.shards[shard_idx].url
         try:
-            st = os.fstat(self._f.fileno()) if self._f is not None and self._url == url else os.stat(_local_path(url))
+            return os.fstat(self._f.fileno()) if self._f is not None and self._url == url else os.stat(_local_path(url))
         except (OSError, ValueError):
             return None
-        return st.st_size, st.st_mtime_ns
+
+    def _shard_stat(self, shard_idx: int) -> tuple[int, int] | None:
+        st = self._stat(shard_idx)
+        return None if st is None else (st.st_size, st.st_mtime_ns)
 
     def _read_ahead(self, shard_idx: int, sample_idx: int) -> None:
         shard = self.shards[shard_idx]
