@@ -142,16 +142,17 @@ def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype:
     meta.update({k: str(v) for k, v in source.items() if k in ("step", "tokens_seen")})
     # Written whole beside `out`, then moved into place (export/complete.py): a run killed while
     # writing leaves an earlier export at `out` as it was, never half overwritten.
-    stage = staging_dir(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    place = out.resolve() if out.is_symlink() else out  # a link to the folder stays a link; its target is replaced
+    stage = staging_dir(place)
+    place.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(stage, ignore_errors=True)  # what an export killed earlier left
     stage.mkdir()
     try:
         files = _write_export(model, tok, tok_info, stage, state=state, limit=limit, meta=meta, model_dict=model_dict,
                               dtype=dtype, source=source, card=card)
-        if out.is_dir():
-            carry_other_files(out, stage)
-        move_into_place(stage, out)
+        if place.is_dir():
+            carry_other_files(place, stage)
+        move_into_place(stage, place)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

@@ -491,3 +491,14 @@ def test_the_demo_counts_an_export_done_only_when_it_is_whole(tmp_path, tok_dir)
     weights.write_bytes(data)
     (out / "export" / "tokenizer.model").unlink()
     assert not stage.done()
+
+
+def test_an_export_over_a_link_to_a_folder_replaces_the_folder_and_keeps_the_link(tmp_path, tok_dir):
+    run, _ = make_run(tmp_path / "run", tok_dir)
+    real = tmp_path / "disk" / "export"
+    assert main(["-qq", "export", str(run), "--out", str(real)]) == 0
+    link = tmp_path / "export"
+    link.symlink_to(real, target_is_directory=True)
+    assert main(["-qq", "export", str(run), "--out", str(link), "--force", "--dtype", "bf16"]) == 0
+    assert link.is_symlink() and json.loads((real / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["export"]
