@@ -74,6 +74,11 @@ class SourceConfig:
         return self.name or self.path or self.manifest
 
 
+# The smallest `data.doc_cache_mb` that is not 0 (off): 1 KiB, which holds about one document's
+# bookkeeping (data/stream/doc_cache.py); less rounds to a budget of no bytes at all.
+MIN_DOC_CACHE_MB = 1 / 1024
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     """The data stream of one run. Counts are per rank; buffers are per DataLoader worker."""
@@ -109,6 +114,10 @@ class DataConfig:
             raise ValueError(f"data.seq_len={self.seq_len} is too short to hold a document (use >= 8)")
         if not (self.doc_cache_mb >= 0 and math.isfinite(self.doc_cache_mb)):
             raise ValueError(f"data.doc_cache_mb must be >= 0 (0 turns the cache off), got {self.doc_cache_mb}")
+        if 0 < self.doc_cache_mb < MIN_DOC_CACHE_MB:
+            # a budget that rounds to 0 bytes failed inside each loader worker, with its traceback
+            raise ValueError(f"data.doc_cache_mb={self.doc_cache_mb:g} is below the smallest cache, 1 KiB "
+                             f"({MIN_DOC_CACHE_MB} MB) per loader worker; use 0 to turn the cache off, or a budget of at least that")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
 

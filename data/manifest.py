@@ -3,6 +3,9 @@ stream reader and the tokenizer trainer.
 
 Public helpers:
 - `read_manifest(dir) -> dict`: load and check `DIR/manifest.json` (`parse_manifest` for text).
+- `check_manifest(man, where)`: the one structural check every reader of a manifest gets (both
+  functions above call it): the keys a reader navigates by, their types, and shard paths that stay
+  inside the shard folder.
 - `iter_documents(dir)`, `read_rejects(dir)`: a finished build read back.
 - `iter_sample_at(tar_path, offset) -> (key, {member_suffix: bytes})`: read the one sample whose
   first member's 512-byte tar header starts at `offset`.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +55,102 @@ def parse_manifest(text: str, where: str) -> dict:
         raise ValueError(f"{where} is not an omniloom shard manifest (format {man.get('format') if isinstance(man, dict) else None!r})")
     if man.get("version") != VERSION:
         raise ValueError(f"{where} has manifest version {man.get('version')}; this omniloom reads version {VERSION}")
+    return check_manifest(man, where)
+
+
+_SCHEME_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # a URL or pipe: command (data/stream/reader.py reads them)
+_REBUILD = "rebuild it with `omniloom data build` (or `omniloom data index` for an index)"
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _escapes(path: str) -> bool:
+    """Whether a relative shard path climbs out of the folder it is relative to (`../x.tar`,
+    `a/../../x.tar`), judged from the text alone: a shard the build wrote beside the manifest and
+    then replaced by a link (to a larger disk) is still read."""
+    depth = 0
+    for part in path.replace("\\", "/").split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return True
+        elif part not in ("", "."):
+            depth += 1
+    return False
+
+
+def shard_path_refusal(path, *, index: bool) -> str | None:
+    """Why the shard path `path` of a manifest entry may not be read, or None. A `data build`
+    manifest names each shard by its file name in the manifest's folder (docs/data-format.md): an
+    absolute path or a name whose `../` leaves the folder would have `train`, `eval` and
+    `data verify` read a file the build never wrote. An index (`data index`) names shards where
+    they lie: an absolute path or a URL (http(s)://, pipe: ...) is what it writes; a relative one
+    is relative to the index's folder and may not leave it either."""
+    if not isinstance(path, str) or not path:
+        return "is not a non-empty string"
+    if "\x00" in path:
+        return "holds a NUL byte"
+    if index and (os.path.isabs(path) or _SCHEME_RE.match(path)):
+        return None
+    how = "an index names a shard by its absolute path or URL" if index else "a build names its shards by file name"
+    if os.path.isabs(path):
+        return f"is an absolute path, outside the shard folder ({how})"
+    if _escapes(path):
+        return f"points outside the {'index' if index else 'shard'} folder ({how})"
+    return None
+
+
+def check_manifest(man: dict, where: str) -> dict:
+    """`man` (a parsed manifest whose format and version are checked) after checking what every
+    reader navigates by, so that `train`, `eval`, `data verify`, `data stats` and `data inspect`
+    refuse a malformed manifest alike, in one line naming the file and the key (ValueError),
+    instead of a KeyError or TypeError in one of them. Checked: `kind` and `name` strings; `shards` a list of
+    objects, each with a `name` (and for an index, a `url`) that stays inside the shard folder
+    (`shard_path_refusal`), a `samples` list and numbers where counts go; `totals`, `rejects` and
+    `settings` objects. What a sample entry holds is not checked here: a lying offset or key costs
+    only its sample (a counted skip while training, a problem line in `data verify`)."""
+    def refuse(key: str, what: str):
+        raise ValueError(f"{where}: {key} {what}; {_REBUILD}")
+
+    for key in ("kind", "name"):
+        if key in man and not isinstance(man[key], str):
+            refuse(f"'{key}'", f"is {man[key]!r}, not a string")
+    index = man.get("kind") == "index"
+    shards = man.get("shards")
+    if not isinstance(shards, list):
+        refuse("'shards'", "is missing" if shards is None else f"is a {type(shards).__name__}, not a list of shard entries")
+    for i, entry in enumerate(shards):
+        at = f"shards[{i}]"
+        if not isinstance(entry, dict):
+            refuse(at, f"is a {type(entry).__name__}, not an object with name and samples")
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            refuse(f"{at}.name", "is missing" if name is None else f"is {name!r}, not a file name")
+        url = entry.get("url") if index else None
+        path_key, path = (f"{at}.url", url) if index and url is not None else (f"{at}.name", name)
+        why = shard_path_refusal(path, index=index)
+        if why:
+            refuse(f"{path_key} {path!r}", why)
+        samples = entry.get("samples", [])
+        if not isinstance(samples, list):
+            refuse(f"{at}.samples", f"is a {type(samples).__name__}, not a list")
+        for key in ("num_samples", "bytes", "mtime_ns"):
+            if key in entry and not _number(entry[key]):
+                refuse(f"{at}.{key}", f"is {entry[key]!r}, not a number")
+        if "sha256" in entry and not isinstance(entry["sha256"], str):
+            refuse(f"{at}.sha256", f"is {entry['sha256']!r}, not a string")
+    for key in ("totals", "rejects", "settings"):
+        if key in man and not isinstance(man[key], dict):
+            refuse(f"'{key}'", f"is a {type(man[key]).__name__}, not an object")
+    totals = man.get("totals") or {}
+    if "documents" in totals and not _number(totals["documents"]):
+        refuse("totals.documents", f"is {totals['documents']!r}, not a number")
+    for key, counts in (("totals.segments", totals.get("segments")), ("totals.media_bytes", totals.get("media_bytes")),
+                        ("rejects.by_code", (man.get("rejects") or {}).get("by_code"))):
+        if counts is not None and not (isinstance(counts, dict) and all(_number(v) for v in counts.values())):
+            refuse(key, f"is {str(counts)[:80]}, not an object of counts")
     return man
 
 
@@ -157,6 +257,8 @@ def iter_sample_at(tar_path: str | os.PathLike, offset: int) -> tuple[str, dict[
     GNU long-name headers (webdataset's TarWriter writes pax) are read like plain ones."""
     members: dict[str, bytes] = {}
     key = None
+    if offset < 0:
+        raise ValueError(f"{tar_path}: the manifest gives a sample no byte offset; run `omniloom data verify`")
     with open(tar_path, "rb") as f:
         f.seek(offset)
         try:
@@ -181,8 +283,8 @@ def iter_documents(directory: str | os.PathLike) -> Iterator[tuple[str, dict, di
     """(key, doc.json as a dict, {member_suffix: bytes}) of every sample of a built folder, in
     manifest order: a build read back whole (tests, notebooks; `omniloom data inspect` shows one)."""
     for shard in read_manifest(directory)["shards"]:
-        for smp in shard["samples"]:
-            key, members = iter_sample_at(os.path.join(directory, shard["name"]), smp["offset"])
+        for smp in shard.get("samples", []):
+            key, members = iter_sample_at(os.path.join(directory, shard["name"]), sample_entry(smp)[1])
             yield key, json.loads(members["doc.json"]), members
 
 
@@ -227,6 +329,15 @@ def iter_shard_samples(tar_path: str | os.PathLike, *, only: tuple[str, ...] | N
             yield cur_off, cur_key, cur
 
 
+def sample_entry(smp) -> tuple[str, int]:
+    """(key, offset) of a manifest's sample entry; ("", -1) for what is not there or not of its type
+    (`check_manifest` leaves sample entries to the reader: a lie costs only its sample)."""
+    smp = smp if isinstance(smp, dict) else {}
+    key, offset = smp.get("key"), smp.get("offset")
+    ok = isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0
+    return (key if isinstance(key, str) else ""), (offset if ok else -1)
+
+
 def sample_index(manifest: dict) -> list[tuple[str, str, int]]:
-    """Flat (shard name, key, offset) for every sample, in manifest order."""
-    return [(s["name"], smp["key"], smp["offset"]) for s in manifest["shards"] for smp in s["samples"]]
+    """Flat (shard name, key, offset) for every sample, in manifest order (`sample_entry`)."""
+    return [(s["name"], *sample_entry(smp)) for s in manifest["shards"] for smp in s.get("samples", [])]

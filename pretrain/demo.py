@@ -14,9 +14,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .export.complete import incomplete_reason
 from .rundir import CHECKPOINTS, METRICS, REPORT
 
 
@@ -30,8 +32,13 @@ class Stage:
     # names of the stages whose outputs this one reads; None: every stage listed before it. Stages
     # whose needs are met run side by side, as many as `demo_parallel` allows.
     needs: tuple[str, ...] | None = None
+    # what is missing or cut off in the stage's output, None when it is whole; set where a file
+    # existing is not enough (an export's config.json says nothing of its weights being whole)
+    incomplete: Callable[[], str | None] | None = None
 
     def done(self) -> bool:
+        if self.incomplete is not None:
+            return self.done_when.exists() and self.incomplete() is None
         return self.done_when.exists() or any(p.exists() for p in self.also_done_when)
 
 
@@ -122,9 +129,10 @@ def demo_stages(out: Path, *, steps: int, processes: int, overrides: list[str]) 
                                 "--no-progress", "--captions", *threads), out / "eval.json",
               needs=("train (omniloom launch)",)),
         # export and generate run beside eval (one thread each); the report waits for eval.json
-        # --force: an export cut off before its config.json is redone (the demo owns that folder)
+        # done when whole (export/complete.py), not when its config.json exists; --force redoes one
+        # that is not (an export from before exports were moved into place whole; the demo owns that folder)
         Stage("export", _omniloom("export", str(run), "--out", str(export), "--force"), export / "config.json",
-              needs=("train (omniloom launch)",)),
+              needs=("train (omniloom launch)",), incomplete=lambda: incomplete_reason(export)),
         Stage("generate from an image", _omniloom("generate", str(export), "--image", str(_first_heldout_image(corpus)),
                                                   "--prompt", "", "--max-new-tokens", "16", "--out", str(out / "generate.txt"),
                                                   *threads),

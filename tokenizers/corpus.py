@@ -38,6 +38,13 @@ def resolve_shards(spec: str | os.PathLike | Iterable[str | os.PathLike]) -> lis
                     names = [sh["name"] for sh in json.loads(manifest.read_text())["shards"]]
                 except (ValueError, KeyError, TypeError) as err:
                     raise ValueError(f"{manifest} is not an omniloom shard manifest ({err}); rebuild it with `omniloom data build`") from err
+                for i, name in enumerate(names):
+                    # the rule of omniloom.data.manifest.shard_path_refusal (this package imports no other
+                    # of omniloom's): a build names each shard by its file name inside the folder
+                    parts = str(name).replace("\\", "/").split("/")
+                    if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in parts:
+                        raise ValueError(f"{manifest}: shards[{i}].name {name!r} is not a file name inside the shard folder; "
+                                         "rebuild it with `omniloom data build`")
                 out.extend(p / n for n in names)
             else:
                 out.extend(sorted(p.glob("*.tar")))

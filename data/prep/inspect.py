@@ -12,17 +12,28 @@ import json
 import os
 from collections import Counter
 
-from omniloom.data.manifest import ReadLimits, Refused, iter_sample_at, iter_shard_samples, read_manifest, sample_index
+from omniloom.data.manifest import ReadLimits, Refused, iter_sample_at, iter_shard_samples, read_manifest, sample_entry, sample_index
 
 from .validate import check_output_document
 
 # --- inspect -----------------------------------------------------------------------------------
 
 
+def read_built_manifest(directory: str, command: str) -> dict:
+    """The checked manifest (`read_manifest`) of a folder `omniloom data build` wrote; an index
+    (`omniloom data index`) is refused in one line: its shards lie elsewhere and hold no doc.json."""
+    man = read_manifest(directory)
+    if man.get("kind") == "index":
+        raise ValueError(f"{os.path.join(directory, 'manifest.json')}: kind {man['kind']!r} (`omniloom data index`): "
+                         f"`omniloom data {command}` reads a folder made by `omniloom data build`; the index's summary "
+                         "came from `data index` (run it again, with --validate, to check its shards)")
+    return man
+
+
 def select_samples(directory: str, *, key: str | None = None, index: int = 0, count: int = 1) -> list[tuple[str, dict, dict]]:
     """Return [(key, doc, members)] for the sample with `key`, or `count` samples from `index`
     (manifest order)."""
-    man = read_manifest(directory)
+    man = read_built_manifest(directory, "inspect")
     flat = sample_index(man)
     if not flat:
         raise ValueError(f"{directory} holds no documents")
@@ -128,7 +139,7 @@ def _dist(values: list[float]) -> dict:
 
 def compute_stats(directory: str, *, progress: bool = False) -> dict:
     """Scan every doc.json (media data is skipped, not read) and summarize the dataset."""
-    man = read_manifest(directory)
+    man = read_built_manifest(directory, "stats")
     seg_counts, seg_bytes, langs = Counter(), Counter(), Counter()
     img_w, img_h, img_mp, vid_dur, vid_frames, text_chars, segs_per_doc = [], [], [], [], [], [], []
     docs = 0
@@ -166,7 +177,7 @@ def compute_stats(directory: str, *, progress: bool = False) -> dict:
         "directory": directory,
         "shards": len(shards),
         "documents": docs,
-        "shard_bytes": sum(s["bytes"] for s in shards),
+        "shard_bytes": sum(s.get("bytes") or 0 for s in shards),
         "segments": {t: seg_counts.get(t, 0) for t in ("text", "code", "image", "video")},
         "bytes": {t: seg_bytes.get(t, 0) for t in ("text", "code", "image", "video")},
         "code_languages": dict(langs.most_common()),
@@ -222,7 +233,7 @@ def verify(directory: str, *, media: bool = True, progress: bool = False, max_pr
     from .media import MediaLimits, validate_image, validate_video
     from .validate import Reject
 
-    man = read_manifest(directory)
+    man = read_built_manifest(directory, "verify")
     limits = ReadLimits.from_settings(man.get("settings"))  # what training reads; nothing larger or sparse is read here either
     loose = MediaLimits(max_image_pixels=1 << 40, min_image_side=1, max_image_aspect=1e9, max_image_bytes=1 << 40,
                         max_image_frames=1 << 30, max_video_seconds=1e12, min_video_side=1, max_video_side=1 << 30, max_video_bytes=1 << 40)
@@ -248,15 +259,19 @@ def verify(directory: str, *, media: bool = True, progress: bool = False, max_pr
             problem(f"{shard['name']}: missing")
             continue
         size = os.path.getsize(path)
-        if size != shard["bytes"]:
-            problem(f"{shard['name']}: {size} bytes, manifest says {shard['bytes']}")
+        if size != shard.get("bytes"):
+            problem(f"{shard['name']}: {size} bytes, manifest says {shard.get('bytes', 'nothing (no bytes)')}")
         h = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
-        if h.hexdigest() != shard["sha256"]:
+        if "sha256" not in shard:
+            problem(f"{shard['name']}: the manifest has no sha256 for it")
+        elif h.hexdigest() != shard["sha256"]:
             problem(f"{shard['name']}: sha256 mismatch (file changed or corrupt)")
-        expected = [(s["offset"], s["key"]) for s in shard["samples"]]
+        expected = [sample_entry(s)[::-1] for s in shard.get("samples", [])]
+        for i in [i for i, (offset, key) in enumerate(expected) if offset < 0 or not key]:
+            problem(f"{shard['name']}: samples[{i}] has no key or no byte offset: {str(shard['samples'][i])[:80]}")
         got = []
         try:
             for offset, key, members in iter_shard_samples(path, limits=limits):
@@ -291,16 +306,17 @@ def verify(directory: str, *, media: bool = True, progress: bool = False, max_pr
             missing = len(set(expected) - set(got))
             extra = len(set(got) - set(expected))
             problem(f"{shard['name']}: samples differ from the manifest ({missing} listed but not found at their offset, {extra} unlisted)")
-        if len(got) != shard["num_samples"]:
-            problem(f"{shard['name']}: {len(got)} samples, manifest says num_samples={shard['num_samples']}")
+        if len(got) != shard.get("num_samples"):
+            problem(f"{shard['name']}: {len(got)} samples, manifest says num_samples={shard.get('num_samples', 'nothing')}")
     bar.close()
-    totals = man["totals"]
-    if counts["documents"] != totals["documents"]:
-        problem(f"totals.documents is {totals['documents']} but the shards hold {counts['documents']}")
+    totals = man.get("totals") or {}
+    if counts["documents"] != totals.get("documents"):
+        problem(f"totals.documents is {totals.get('documents', 'missing')} but the shards hold {counts['documents']}")
+    segments = totals.get("segments") or {}
     for t in ("text", "code", "image", "video"):
-        if seg_totals.get(t, 0) != totals["segments"].get(t, 0):
-            problem(f"totals.segments.{t} is {totals['segments'].get(t, 0)} but the shards hold {seg_totals.get(t, 0)}")
-    if not counts["documents"] and not totals["documents"]:
+        if seg_totals.get(t, 0) != segments.get(t, 0):
+            problem(f"totals.segments.{t} is {segments.get(t, 0)} but the shards hold {seg_totals.get(t, 0)}")
+    if not counts["documents"] and not totals.get("documents"):
         problem("the set is empty: the manifest lists no documents (nothing to train on)")
     counts["shards"] = len(man["shards"])
     return problems, dict(counts)

@@ -37,6 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -126,6 +127,18 @@ def _worker_init(worker_id: int) -> None:
     _one_thread_worker(worker_id)
 
 
+class Drawn(NamedTuple):
+    """A sample in the shuffle buffer: its reference and either its raw document (doc, media) or
+    the document cache's entry found when it was drawn; `ident` is its shard file's identity then
+    (data/stream/doc_cache.py; None without a cache or for a remote shard)."""
+
+    ref: tuple
+    doc: dict | None
+    media: dict | None
+    entry: tuple | None
+    ident: tuple | None
+
+
 class WorkerStream:
     """The deterministic pipeline of one slot. `next_batch()` -> (PackedBatch, counts)."""
 
@@ -139,7 +152,7 @@ class WorkerStream:
         w = np.array([s.weight for s in sets], dtype=np.float64)
         self.weights = w / w.sum()
         self.rng = np.random.Generator(np.random.PCG64([cfg.seed, slot, 0x5EED]))
-        self.shuffle: list[tuple[tuple, dict, dict]] = []
+        self.shuffle: list[Drawn] = []
         self.packer = BestFitPacker(cfg.seq_len, cfg.pack_buffer)
         self.skipped: Counter = Counter()
         self.token_stats: Counter = Counter()  # TokenizedDoc.stats summed (decode errors, drops)
@@ -153,22 +166,34 @@ class WorkerStream:
         if self.skipped[reason] <= _MAX_LOGGED_SKIPS:
             log.warning("skipping sample %s (%s): %s", ref, reason, err)
 
-    def _draw_sample(self) -> tuple[tuple, dict, dict]:
+    def _drawn(self, ref: tuple) -> Drawn:
+        """Sample `ref` as drawn: its cache entry when the cache holds one for its shard as the
+        shard is now (neither read nor held raw), else read (raises SampleError). The shard's
+        identity is taken before the read, so a document read across a change is never cached."""
+        cursor = self.cursors[ref[0]]
+        ident = None
+        if self.cache is not None:
+            key = self._cache_key(ref)
+            ident = cursor.reader.shard_identity(key[1])
+            entry = self.cache.lookup(key, ident)
+            if entry is not None:
+                return Drawn(ref, None, None, entry, ident)
+        doc, media = cursor.read(ref[1], ref[2])
+        return Drawn(ref, doc, media, None, ident)
+
+    def _draw_sample(self) -> Drawn:
         src = int(self.rng.choice(len(self.weights), p=self.weights)) if len(self.weights) > 1 else 0
         cursor = self.cursors[src]
         for _ in range(cursor.attempts_left_bound()):
             ref = cursor.next_ref()
-            if self.cache is not None and self._cache_key(ref) in self.cache:
-                return ref, None, None  # tokenized before: neither read nor held raw (see _pieces)
             try:
-                doc, media = cursor.read(ref[1], ref[2])
-                return ref, doc, media
+                return self._drawn(ref)
             except SampleError as err:
                 self._skip(err.reason, err, ref)
         raise StreamDataError(f"source '{cursor.set.label}': not one readable sample in a whole epoch of slot "
                            f"{self.slot}; check the shards (skips so far: {dict(self.skipped)})")
 
-    def _next_doc(self) -> tuple[tuple, dict, dict]:
+    def _next_doc(self) -> Drawn:
         while len(self.shuffle) < self.cfg.shuffle_buffer:
             self.shuffle.append(self._draw_sample())
         i = int(self.rng.integers(len(self.shuffle)))
@@ -181,10 +206,11 @@ class WorkerStream:
         """The sample itself, whatever the epoch: (source, shard, sample in the shard)."""
         return (ref[0], *self.cursors[ref[0]].locate_global(ref[1], ref[2]))
 
-    def _pieces(self, ref: tuple, doc: dict | None, media: dict | None, count: bool = True) -> list[Piece]:
+    def _pieces(self, drawn: Drawn, count: bool = True) -> list[Piece]:
+        ref, doc, media, entry, ident = drawn
         key = self._cache_key(ref) if self.cache is not None else None
         if key is not None:
-            entry = self.cache.get(key)
+            self.cache.count(hit=entry is not None)
             if entry is not None:  # replay the outcome and its counters exactly
                 if entry[0] == "skip":
                     if count:
@@ -194,13 +220,6 @@ class WorkerStream:
                     self.docs += 1
                     self.token_stats.update(entry[2])
                 return DocCache.pieces_for(entry, ref)
-            if doc is None:  # cannot happen (nothing is evicted), but a re-read is always correct
-                try:
-                    doc, media = self.cursors[ref[0]].read(ref[1], ref[2])
-                except SampleError as err:
-                    if count:
-                        self._skip(err.reason, err, ref)
-                    return []
         try:
             tdoc = self.tokenize_fn(doc, media)
         except Exception as err:  # any tokenizer failure is a bad sample, never a dead run
@@ -208,7 +227,7 @@ class WorkerStream:
             # a data error (DocumentError, MediaError: it has a reason) fails the same way next
             # time and is remembered; anything else (out of memory, too many open files) is retried
             if key is not None and getattr(err, "reason", None):
-                self.cache.store_skip(key, reason, str(err))
+                self.cache.store_skip(key, ident, reason, str(err))
             if count:
                 self._skip(reason, err, ref)
             return []
@@ -216,7 +235,7 @@ class WorkerStream:
             pieces = split_document(tdoc, self.cfg.seq_len, ref)
         except PackingError as err:
             if key is not None:
-                self.cache.store_skip(key, err.reason, str(err))
+                self.cache.store_skip(key, ident, err.reason, str(err))
             if count:
                 self._skip(err.reason, err, ref)
             return []
@@ -226,7 +245,7 @@ class WorkerStream:
                                  f"is {self.patch_dim}; pass patch_dim=max(patch_dim, tubelet_dim) of the tokenizer")
         stats = getattr(tdoc, "stats", None) or {}
         if key is not None:
-            pieces = self.cache.store_pieces(key, pieces, stats)
+            pieces = self.cache.store_pieces(key, ident, pieces, stats)
         if count:
             self.docs += 1
             self.token_stats.update(stats)
@@ -236,8 +255,7 @@ class WorkerStream:
         failed = 0
         limit = max(1000, 2 * sum(c.range_len for c in self.cursors))
         while self.packer.needs_more():
-            ref, doc, media = self._next_doc()
-            pieces = self._pieces(ref, doc, media)
+            pieces = self._pieces(self._next_doc())
             for piece in pieces:
                 self.packer.add(piece)
             failed = 0 if pieces else failed + 1
@@ -263,7 +281,7 @@ class WorkerStream:
             "rng": copy.deepcopy(self.rng.bit_generator.state),
             "cursors": [[c.epoch, c.pos] for c in self.cursors],
             **({"pending": [c.pending_state() for c in self.cursors]} if any(c.pending for c in self.cursors) else {}),
-            "shuffle": [list(ref) for ref, _, _ in self.shuffle],
+            "shuffle": [list(d.ref) for d in self.shuffle],
             "packer": [[list(ref), idx] for ref, idx in self.packer.state_refs()],
             "skipped": dict(self.skipped),
             "token_stats": dict(self.token_stats),
@@ -283,7 +301,7 @@ class WorkerStream:
         self.shuffle = []
         for ref in map(tuple, state["shuffle"]):
             try:
-                self.shuffle.append((ref, *self.cursors[ref[0]].read(ref[1], ref[2])))
+                self.shuffle.append(self._drawn(ref))
             except SampleError as err:  # the data changed since the checkpoint: say so, keep going
                 self._skip("restore_unreadable", err, ref)
         self.packer = BestFitPacker(self.cfg.seq_len, self.cfg.pack_buffer)
@@ -292,8 +310,7 @@ class WorkerStream:
             ref = tuple(ref)
             if ref not in cache:
                 try:
-                    doc, media = self.cursors[ref[0]].read(ref[1], ref[2])
-                    cache[ref] = self._pieces(ref, doc, media, count=False)
+                    cache[ref] = self._pieces(self._drawn(ref), count=False)
                 except SampleError as err:
                     self._skip("restore_unreadable", err, ref)
                     cache[ref] = []
@@ -537,7 +554,8 @@ class StreamLoader:
 
         Same layout (world_size x workers): exact resume from this rank's state. Another layout:
         the states of every saved rank are pooled and redistributed (data/stream/elastic.py), which needs
-        the whole list (or the one state of a 1-process run). Another data config: ValueError, except
+        the whole list (or the one state of a 1-process run). Another data config: ValueError
+        (another data.batch_size is not one: the rows go on, in batches of the new size), except
         with `sources="keep_unchanged"`, where the sources may differ (added, removed, reordered,
         reweighted): those of the same label and sample count continue where they were, the others
         start at their beginning (data/stream/remix.py; needs every saved rank's state)."""
@@ -557,11 +575,18 @@ class StreamLoader:
             states = self._remix(states)
         old, new = states[0]["fingerprint"], self._fingerprint()
         layout = ("world_size", "num_workers")
-        diff = [k for k in new if k not in layout and json_safe(old.get(k)) != json_safe(new[k])]
+        # batch_size may change too: a worker's state counts documents and rows, never batches of a
+        # size (cursors, buffers by reference, the RNG), so the rows go on as they would have, cut
+        # into batches of the new size: none lost, none repeated (docs/resume.md)
+        free = (*layout, "batch_size")
+        diff = [k for k in new if k not in free and json_safe(old.get(k)) != json_safe(new[k])]
         if diff:
             details = "; ".join(f"{k}: saved {old.get(k)!r}, now {new[k]!r}" for k in diff)
             raise ValueError(f"data-loader state does not match this data config ({details}); "
                              "resume with the config it was saved with")
+        if old.get("batch_size") != self.cfg.batch_size and self.rank == 0:
+            log.info("data stream resumed with data.batch_size=%s (saved with %s): the same rows follow, %s per batch",
+                     self.cfg.batch_size, old.get("batch_size"), self.cfg.batch_size)
         if (old["world_size"], max(old["num_workers"], 1)) == (self.world_size, self.num_logical):
             mine = [st for st in states if st["rank"] == self.rank] if len(states) > 1 else states
             if len(mine) != 1 or mine[0]["rank"] != self.rank:

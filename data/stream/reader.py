@@ -155,9 +155,7 @@ def _samples(entry: dict) -> tuple[list[int], list[str]]:
 
 
 def _shards_from_manifest(manifest: dict, base: str, urls: list[str] | None, where: str) -> list[ShardInfo]:
-    entries = manifest.get("shards") or []
-    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("name"), str) for e in entries):
-        raise ValueError(f"{where}: 'shards' is not a list of {{name, samples}} entries; rebuild the manifest with `omniloom data build`")
+    entries = manifest["shards"]  # a list of {name, samples, ...} entries whose paths stay inside (check_manifest)
     limits = ReadLimits.from_settings(manifest.get("settings"))
     index = manifest.get("kind") == "index"
     settings = manifest.get("settings") if isinstance(manifest.get("settings"), dict) else {}
@@ -624,13 +622,24 @@ class SampleReader:
             self._read_ahead(shard_idx, sample_idx)
         return doc
 
-    def _shard_stat(self, shard_idx: int) -> tuple[int, int] | None:
+    def shard_identity(self, shard_idx: int) -> tuple[int, int, int, int] | None:
+        """(size, mtime_ns, inode, device) of a local shard as the next read would see it (the open
+        file when it is this shard's, else the path), so that a shard rewritten or replaced since
+        tells itself apart; None for a remote one (a URL or `pipe:`, which has none without
+        reading it) or one that cannot be stat'ed (its read says why)."""
+        st = self._stat(shard_idx) if is_local(self.shards[shard_idx].url) else None
+        return None if st is None else (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+    def _stat(self, shard_idx: int) -> os.stat_result | None:
         url = self.shards[shard_idx].url
         try:
-            st = os.fstat(self._f.fileno()) if self._f is not None and self._url == url else os.stat(_local_path(url))
+            return os.fstat(self._f.fileno()) if self._f is not None and self._url == url else os.stat(_local_path(url))
         except (OSError, ValueError):
             return None
-        return st.st_size, st.st_mtime_ns
+
+    def _shard_stat(self, shard_idx: int) -> tuple[int, int] | None:
+        st = self._stat(shard_idx)
+        return None if st is None else (st.st_size, st.st_mtime_ns)
 
     def _read_ahead(self, shard_idx: int, sample_idx: int) -> None:
         shard = self.shards[shard_idx]

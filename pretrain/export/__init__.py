@@ -2,6 +2,7 @@
 
     write.py  export_checkpoint, save_export (weights, config.json, tokenizer files)
     card.py   the model card (README.md)
+    complete.py  whether an export folder is whole; a finished export moved into place in one step
     hf/       the Hugging Face files and the remote code generated from omniloom's own modules
     cli.py    `omniloom export`
 

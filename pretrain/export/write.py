@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from omniloom.pretrain.checkpoint.safe_io import INDEX_NAME, parse_size, save_sh
 from omniloom.tokenizers.text import SAVED_FILES
 
 from .card import _trainer_state, model_card
+from .complete import carry_other_files, move_into_place, staging_dir
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ def export_checkpoint(src: str | Path, out_dir: str | Path, *, dtype: str = "fp3
 
 def check_export_dir(out: Path, force: bool) -> None:
     """Refuse to write into a folder that already holds files, unless `force` (then the export's own
-    files are replaced; other files stay)."""
+    files are replaced, in one step once the new ones are whole; other files stay)."""
     if force or not out.exists():
         return
     if not out.is_dir():
@@ -110,11 +112,9 @@ def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype:
     `export_checkpoint` does after reading a checkpoint; also handy after training in a notebook).
     `model_config` (default: the model's) is what config.json records. A non-empty `out_dir` is
     refused unless `force`."""
-    from omniloom.model.pretrained import CONFIG_NAME, FORMAT, FORMAT_VERSION
+    from omniloom.model.pretrained import FORMAT
     from omniloom.pretrain.config.io import to_dict
     from omniloom.pretrain.console import version
-
-    from .hf import files as hf
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -140,7 +140,36 @@ def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype:
     meta = {"format": "pt", "omniloom_version": version(), "omniloom_format": FORMAT, "dtype": dtype,
             "model_config": json.dumps(model_dict, sort_keys=True)}
     meta.update({k: str(v) for k, v in source.items() if k in ("step", "tokens_seen")})
-    out.mkdir(parents=True, exist_ok=True)
+    # Written whole beside `out`, then moved into place (export/complete.py): a run killed while
+    # writing leaves an earlier export at `out` as it was, never half overwritten.
+    place = out.resolve() if out.is_symlink() else out  # a link to the folder stays a link; its target is replaced
+    stage = staging_dir(place)
+    place.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(stage, ignore_errors=True)  # what an export killed earlier left
+    stage.mkdir()
+    try:
+        files = _write_export(model, tok, tok_info, stage, state=state, limit=limit, meta=meta, model_dict=model_dict,
+                              dtype=dtype, source=source, card=card)
+        if place.is_dir():
+            carry_other_files(place, stage)
+        move_into_place(stage, place)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    files = [out / f.name for f in files]
+    total = sum(f.stat().st_size for f in files)
+    log.info("wrote %d weight file(s), %.1f MB, to %s", len(files), total / 1e6, out)
+    return ExportResult(out, None, files, model.num_params(), total)
+
+
+def _write_export(model, tok, tok_info: dict, out: Path, *, state: dict, limit: int, meta: dict, model_dict: dict,
+                  dtype: str, source: dict, card: str | None) -> list[Path]:
+    """Every file of an export into the (empty, staging) folder `out`; returns the weight files."""
+    from omniloom.model.pretrained import CONFIG_NAME, FORMAT, FORMAT_VERSION
+    from omniloom.pretrain.console import version
+
+    from .hf import files as hf
+
     files = save_sharded(state, out, max_shard_size=limit, metadata=meta)
     tok.save(out)  # tokenizer.model byte for byte, omniloom_tokenizer.json and the Hugging Face files
     config = {
@@ -174,7 +203,5 @@ def save_export(model, tokenizer_dir: str | Path, out_dir: str | Path, *, dtype:
         card = (f"# omniloom model\n\n{model.num_params() / 1e6:.2f} M parameters, exported from memory "
                 f"({dtype}).\n\nLoad with `omniloom.model.load_pretrained(DIR)`.\n")
     (out / "README.md").write_text(card.replace("WEIGHT_FILES", f"{len(files)} safetensors file(s)"))
-    total = sum(f.stat().st_size for f in files)
-    log.info("wrote %d weight file(s), %.1f MB, to %s", len(files), total / 1e6, out)
-    return ExportResult(out, None, files, model.num_params(), total)
+    return files
 

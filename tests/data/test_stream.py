@@ -372,6 +372,42 @@ def test_doc_cache_yields_the_uncached_batches_and_counters(corpus, tmp_path, ca
     assert head + _digests(resumed, n - 67) == plain
 
 
+@pytest.mark.parametrize("rewrite", ["another-shard", "same-size"])
+def test_doc_cache_drops_a_shard_rewritten_during_the_run(corpus, tmp_path, rewrite):
+    """Issue 39 item 4: a shard rewritten in place mid-run. The uncached stream reads the new bytes
+    (and skips what no longer sits at its manifest offset); the cached one trained on the old
+    documents from memory, and its batches differed. Now a shard's entries are dropped when its
+    size, mtime or inode change: the same batches and skip counts either way."""
+    import shutil
+
+    a, _ = corpus
+    runs = {}
+    for cache_mb in (0, 64):
+        folder = str(tmp_path / f"a{cache_mb}")
+        shutil.copytree(a, folder)
+        loader = build_loader(_cfg([(folder, 1.0)], num_workers=0, doc_cache_mb=cache_mb), TOK, patch_dim=TOK.tubelet_dim)
+        it = iter(loader)
+        head = [next(it).digest() for _ in range(40)]
+        assert loader.epochs()[folder] >= 1  # a whole epoch read: the cache holds the shard's documents
+        path = os.path.join(folder, "a-000001.tar")
+        if rewrite == "another-shard":  # another shard's bytes, written over it
+            data = open(os.path.join(folder, "a-000000.tar"), "rb").read()
+        else:  # the same size, other bytes: a doc.json of every sample garbled (only the mtime tells)
+            data = bytearray(open(path, "rb").read())
+            for smp in json.load(open(os.path.join(folder, "manifest.json")))["shards"][1]["samples"]:
+                data[smp["offset"] + 512:smp["offset"] + 520] = b"\x00garbage"
+        with open(path, "r+b") as f:  # in place: the same file, as a writer that rewrites it does
+            f.write(bytes(data))
+            f.truncate()
+        tail = [next(it).digest() for _ in range(60)]
+        runs[cache_mb] = (head, tail, loader.skipped(), loader.metrics())
+        it.close()
+    (head0, tail0, skipped0, _), (head1, tail1, skipped1, m) = runs[0], runs[64]
+    assert head1 == head0 and skipped1 == skipped0 and tail1 == tail0
+    assert sum(skipped0.values()) >= 10, skipped0  # the rewrite was seen: its samples are skipped
+    assert m["doc_cache/hit_fraction"] > 0.3, m  # the other shards are still served from the cache
+
+
 def test_doc_cache_is_off_by_default_and_for_evaluation(corpus):
     a, _ = corpus
     loader = build_loader(_cfg([(a, 1.0)], num_workers=0), TOK, patch_dim=TOK.tubelet_dim)
@@ -384,6 +420,24 @@ def test_doc_cache_is_off_by_default_and_for_evaluation(corpus):
     assert not any(k.startswith("doc_cache/") for k in loader.metrics())
     with pytest.raises(ValueError, match="doc_cache_mb"):
         _cfg([(a, 1.0)], doc_cache_mb=-1)
+
+
+@pytest.mark.parametrize("value", ["1e-300", "0.0005"])
+def test_a_cache_budget_below_one_kib_is_refused_where_the_config_is_read(value, tmp_path, capsys):
+    """Issue 39 item 9: data.doc_cache_mb=1e-300 rounds to a budget of 0 bytes; with loader workers
+    each worker failed with its whole traceback. Now the config refuses it in one line, before
+    any worker starts (and before the run folder is touched)."""
+    from omniloom.pretrain.cli import main
+
+    with pytest.raises(ValueError, match=rf"data.doc_cache_mb={value} is below the smallest cache, 1 KiB"):
+        DataConfig(sources=[SourceConfig(path="x")], doc_cache_mb=float(value), num_workers=2)
+    DataConfig(sources=[SourceConfig(path="x")], doc_cache_mb=1 / 1024, num_workers=2)  # the smallest cache
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), "tiny", f"data.doc_cache_mb={value}", "data.num_workers=2",
+                 f"data.sources=[{{path: {tmp_path}}}]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.doc_cache_mb" in err[0] and "use 0 to turn the cache off" in err[0], err
+    assert not run.exists()
 
 
 class _FailsOnceEach:

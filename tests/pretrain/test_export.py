@@ -451,3 +451,81 @@ def test_the_model_card_has_the_hubs_front_matter(tmp_path, tok_dir):
     run, _ = make_run(tmp_path / "run", tok_dir)
     assert main(["-qq", "export", str(run), "--out", str(tmp_path / "out"), "--license", "mit"]) == 0
     assert ModelCard.load(tmp_path / "out" / "README.md").data.to_dict()["license"] == "mit"
+
+
+# ---- issue 39 item 12: an export killed while it writes -----------------------------------------
+def _digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _killed_export(run: Path, out: Path, *args: str) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "support" / "export_killed.py"
+    proc = subprocess.run([sys.executable, str(script), str(run), "--out", str(out), *args], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_an_export_force_killed_mid_write_leaves_the_old_export_whole(tmp_path, tok_dir):
+    """`export --force` over an export, SIGKILLed once its new weights are written: the old
+    config.json sat beside the new (bf16) weights, and loaded as good. Now the old export is left
+    byte for byte, the next export replaces it whole, and files that are not the export's stay."""
+    from omniloom.pretrain.export.complete import incomplete_reason, staging_dir
+
+    run, model = make_run(tmp_path / "run", tok_dir)
+    out = tmp_path / "export"
+    assert main(["-qq", "export", str(run), "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("mine")
+    before = _digests(out)
+    _killed_export(run, out, "--force", "--dtype", "bf16")
+    assert _digests(out) == before, "the old export was overwritten in part"
+    assert incomplete_reason(out) is None
+    loaded = load_pretrained(out)
+    assert torch.equal(logits_of(loaded, loaded.cfg), logits_of(model, model.cfg))
+    assert main(["-qq", "export", str(run), "--out", str(out), "--force", "--dtype", "bf16", "--max-shard-size", "100KB"]) == 0
+    assert not staging_dir(out).exists() and incomplete_reason(out) is None
+    after = _digests(out)
+    assert after["notes.txt"] == before["notes.txt"] and "model.safetensors" not in after  # sharded now: no stale single file
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    load_pretrained(out)
+    # killed with no export there before: nothing at --out, the demo's check says so
+    fresh = tmp_path / "fresh"
+    _killed_export(run, fresh)
+    assert not fresh.exists() or incomplete_reason(fresh) is not None
+
+
+def test_the_demo_counts_an_export_done_only_when_it_is_whole(tmp_path, tok_dir):
+    """The demo took an export as finished once its config.json existed; an export cut off after
+    it (or with a weight file cut short) was never redone."""
+    from omniloom.pretrain.demo import demo_stages
+
+    run, _ = make_run(tmp_path / "run", tok_dir)
+    out = tmp_path / "demo"
+    stage = next(s for s in demo_stages(out, steps=2, processes=1, overrides=[]) if s.name == "export")
+    assert not stage.done()
+    assert main(["-qq", "export", str(run), "--out", str(out / "export")]) == 0
+    assert stage.done()
+    weights = out / "export" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100])  # cut short, config.json still there
+    assert not stage.done()
+    weights.unlink()
+    assert not stage.done()
+    weights.write_bytes(data)
+    (out / "export" / "tokenizer.model").unlink()
+    assert not stage.done()
+
+
+def test_an_export_over_a_link_to_a_folder_replaces_the_folder_and_keeps_the_link(tmp_path, tok_dir):
+    run, _ = make_run(tmp_path / "run", tok_dir)
+    real = tmp_path / "disk" / "export"
+    assert main(["-qq", "export", str(run), "--out", str(real)]) == 0
+    link = tmp_path / "export"
+    link.symlink_to(real, target_is_directory=True)
+    assert main(["-qq", "export", str(run), "--out", str(link), "--force", "--dtype", "bf16"]) == 0
+    assert link.is_symlink() and json.loads((real / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["export"]

@@ -201,3 +201,17 @@ def test_train_errors(tmp_path):
         train_tokenizer(tmp_path / "missing", tmp_path / "out", 400)
     with pytest.raises(ValueError, match="no shard tars"):
         train_tokenizer(tmp_path, tmp_path / "out", 400)
+
+
+@pytest.mark.parametrize("name", ["../outside.tar", "ABSOLUTE"])
+def test_a_manifest_naming_a_shard_outside_its_folder_is_refused(tmp_path, name):
+    """Issue 39 item 3, for `omniloom tokenizer train --data DIR`: a shard name that leaves DIR was
+    read from wherever it pointed."""
+    (tmp_path / "outside.tar").write_bytes(b"")
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    name = str(tmp_path / "outside.tar") if name == "ABSOLUTE" else name
+    manifest = {"format": "omniloom-shards", "version": 1, "name": "t", "shards": [{"name": name}]}
+    (shard_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"manifest.json: shards\[0\].name .* is not a file name inside the shard folder"):
+        resolve_shards(shard_dir)
