@@ -68,17 +68,18 @@ def tok(tmp_path_factory):
 @pytest.fixture
 def train_tiny():
     """`omniloom train tiny` in this process on a small model (width 64, 128-token rows, 2 steps by
-    default; `overrides` after these win), for tests that need a real run on their data. Returns
+    default; `overrides` after these win; `verbosity` "-qq" unless given: "-v" to read the log), for
+    tests that need a real run on their data. Returns
     the exit code; accelerate's process-wide state is reset after, so the next test starts clean."""
 
-    def run(run_dir, sources, tokenizer, *overrides) -> int:
+    def run(run_dir, sources, tokenizer, *overrides, verbosity: str = "-qq") -> int:
         from accelerate.state import AcceleratorState, GradientState, PartialState
 
         from omniloom.pretrain.cli import main
 
         paths = ", ".join(f"{{path: {s}}}" for s in ([sources] if isinstance(sources, (str, Path)) else sources))
         try:
-            return main(["-qq", "train", "--no-progress", "--run-dir", str(run_dir), "tiny", f"data.sources=[{paths}]",
+            return main([verbosity, "train", "--no-progress", "--run-dir", str(run_dir), "tiny", f"data.sources=[{paths}]",
                          f"data.tokenizer={tokenizer}", "data.seq_len=128", "data.batch_size=2", "data.num_workers=0",
                          "model.dim=64", "model.num_heads=2", "model.num_kv_heads=1", "model.rope_sections=[8,12,12]",
                          "model.attention.window=64", "model.attention.block_size=16", "model.moe.expert_dim=64",

@@ -582,8 +582,13 @@ class StreamLoader:
         diff = [k for k in new if k not in free and json_safe(old.get(k)) != json_safe(new[k])]
         if diff:
             details = "; ".join(f"{k}: saved {old.get(k)!r}, now {new[k]!r}" for k in diff)
-            raise ValueError(f"data-loader state does not match this data config ({details}); "
-                             "resume with the config it was saved with")
+            if diff == ["sources"] and sources != "keep_unchanged":
+                advice = ("resume with the sources it was saved with, or with checkpoint.resume_data=keep_unchanged "
+                          "(the unchanged sources go on where they were, the others start) or =restart (all data anew)")
+            else:
+                advice = ("resume with the config it was saved with, or with checkpoint.resume_data=restart (the "
+                          "model, optimizer and schedule resume; the data stream starts anew)")
+            raise ValueError(f"data-loader state does not match this data config ({details}); {advice}")
         if old.get("batch_size") != self.cfg.batch_size and self.rank == 0:
             log.info("data stream resumed with data.batch_size=%s (saved with %s): the same rows follow, %s per batch",
                      self.cfg.batch_size, old.get("batch_size"), self.cfg.batch_size)

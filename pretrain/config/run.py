@@ -88,6 +88,12 @@ class CheckpointConfig:
     # batch_size x grad_accum_steps) by choosing the accumulation, refusing when none fits; "change":
     # train on with this run's own (pretrain/train/resume_batch.py)
     resume_global_batch: Literal["keep", "change"] = "keep"
+    # what a resume does with the data stream: "exact" goes on where the checkpoint stopped and
+    # refuses another data config; "keep_unchanged" lets data.sources change (added, removed,
+    # reordered, reweighted: sources of the same name or path and sample count go on where they
+    # were, the others start at their beginning); "restart" starts the data stream anew. The
+    # model, optimizer, schedule and step resume in all three; the log says what the data did.
+    resume_data: Literal["exact", "keep_unchanged", "restart"] = "exact"
 
     def __post_init__(self) -> None:
         _at_least("checkpoint", self, every=0, keep_last=1)

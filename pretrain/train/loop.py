@@ -200,9 +200,13 @@ class Trainer:
         if resume is not None:
             data_states = self._restore(resume, resume_note)
         self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
-        if data_states is not None:
+        if data_states is not None and cfg.checkpoint.resume_data == "restart":
+            log.info("checkpoint.resume_data=restart: the model, optimizer, schedule and step %d come from %s; the "
+                     "data stream starts anew (every source from its beginning, data.seed %d)", self.step,
+                     self.last_checkpoint, cfg.data.seed)
+        elif data_states is not None:
             try:
-                self._load_data_states(data_states)
+                self._load_data_states(data_states, cfg.checkpoint.resume_data)
             except ValueError as err:
                 raise ValueError(f"cannot resume from {self.last_checkpoint}: {err}") from err
         with torch.random.fork_rng(devices=[]):  # see _next_host_batch
@@ -587,13 +591,17 @@ class Trainer:
             return contextlib.nullcontext()
         return self.ep.sharded_state_dict() if self.ckpt.sharded() else self.ep.full_state_dict()
 
-    def _load_data_states(self, states: list) -> None:
+    def _load_data_states(self, states: list, sources: str = "exact") -> None:
         """The data states of every saved rank: a loader that pools them (the stream: it resumes on
-        another world size x workers, logging one line) gets them all, another its own rank's."""
+        another world size x workers, or on another mix of sources with `sources="keep_unchanged"`,
+        logging one line) gets them all, another its own rank's."""
         if any(st is None for st in states):
             return  # saved by a loader without state
         if getattr(self.train_loader, "pools_rank_states", False):
-            self.train_loader.load_state_dict(states)
+            if sources == "exact":
+                self.train_loader.load_state_dict(states)
+            else:
+                self.train_loader.load_state_dict(states, sources=sources)
         elif len(states) == self.acc.num_processes:
             self.train_loader.load_state_dict(states[self.acc.process_index])
         else:
