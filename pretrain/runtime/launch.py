@@ -7,8 +7,17 @@
 `fsdp2`, ...; `configs/accelerate/NAME.yaml` also finds it from any folder); a name that is
 neither is one line naming the shipped ones, exit 2.
 
-It runs accelerate's launcher in this process and changes three things:
+It runs accelerate's launcher in this process and changes these things:
 
+- Several machines (`num_machines > 1`; configs/accelerate/multi_node.yaml fills its `${VAR}`
+  placeholders from the environment: MASTER_ADDR, MASTER_PORT, NUM_MACHINES, NUM_PROCESSES,
+  MACHINE_RANK) first meet on main_process_ip:main_process_port, saying which machines they wait
+  for; past `--rdzv_timeout SECONDS` (OMNILOOM_RDZV_TIMEOUT, default 300) one line names the missing
+  ones and the launch exits 1, and a signal ends the wait at once. Settings the machines must agree
+  on (num_processes a multiple of num_machines, machine_rank in range, one address) are checked
+  first: one line, exit 2. A signal while torch's own rendezvous then waits in C++, where Python
+  runs no handler, still ends the launch within seconds. On one machine, a launch that names no
+  port gets a free one.
 - SIGTERM / SIGINT (Slurm preemption, `kill`, Ctrl-C): the first one is passed to every rank as
   SIGTERM; the ranks finish their step, save a checkpoint together and exit 0, and so does the
   launcher. torchrun's agent would instead raise `SignalException`, give the ranks

@@ -31,6 +31,7 @@ machine, then from machine 0 `ok`, `wait R1,R2` (still missing, when it reports)
 from __future__ import annotations
 
 import errno
+import select
 import socket
 import sys
 import time
@@ -112,6 +113,7 @@ class _Host:
                     self._broadcast(f"wait {','.join(map(str, self.missing()))}")
                     next_report = now + self.report_every_s
                 self._accept_one(server)
+                self._drop_departed()
         finally:
             server.close()  # before the go: a machine's torchrun must never reach this listener
         self._broadcast("go")
@@ -163,6 +165,25 @@ class _Host:
         conn.settimeout(None)
         _send(conn, "ok")
         self.joined[rank] = (conn, host)
+
+    def _drop_departed(self) -> None:
+        """A machine that checked in and then went away (stopped, killed) is missing again."""
+        conns = {conn: rank for rank, (conn, _) in self.joined.items()}
+        if not conns:
+            return
+        readable, _, _ = select.select(list(conns), [], [], 0)
+        for conn in readable:
+            try:
+                gone = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                rank = conns[conn]
+                _say(f"machine_rank {rank} ({self.joined[rank][1]}) left before every machine joined")
+                conn.close()
+                del self.joined[rank]
 
     def _refuse(self, conn: socket.socket, message: str) -> None:
         _send(conn, f"error {message}")

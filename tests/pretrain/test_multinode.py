@@ -274,6 +274,38 @@ def test_three_machines_meet_and_disagreements_are_refused_on_both_sides(capsys)
     assert "waiting for machine_rank 0 at 127.0.0.1:" in err and "waiting for 2 of 3 machines at 127.0.0.1:" in err
 
 
+def test_a_machine_that_leaves_before_all_joined_is_missing_again(capsys):
+    port = proctree.free_port()
+    outcome = []
+    host = threading.Thread(target=lambda: outcome.append(_raises(rendezvous.rendezvous, Machines(3, 0, "127.0.0.1", port),
+                                                                   1.0, report_every_s=0.2)))
+    host.start()
+    conn = _connect(port)
+    conn.sendall(b"omniloom-rendezvous/1 num_machines=3 machine_rank=1 host=gone\n")
+    assert conn.recv(16) == b"ok\n"
+    conn.close()
+    host.join(30)
+    assert "2 of 3 machines did not join" in str(outcome[0]) and "(missing: machine_ranks 1, 2)" in str(outcome[0])
+    assert "machine_rank 1 (gone) left before every machine joined" in capsys.readouterr().err
+
+
+def _raises(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except RendezvousError as err:
+        return err
+
+
+def _connect(port: int) -> socket.socket:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=5)
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
 def test_machine_0_says_when_main_process_ip_is_not_one_of_its_addresses(capsys):
     rendezvous._warn_if_not_local("127.0.0.1")
     assert capsys.readouterr().err == ""
