@@ -315,6 +315,7 @@ def launch(argv: list[str], *, quiet_agent: bool = True, verbose: bool = False) 
     args = _parser().parse_args(argv)
     rdzv_timeout = rendezvous.timeout_from(args.rdzv_timeout, os.environ)
     del args.rdzv_timeout  # ours, not accelerate's
+    getattr(args, "nondefault", set()).discard("rdzv_timeout")
     shipped = given = found = None
     if args.config_file:  # a shipped config by name, from any folder; a missing file is one line (exit 2)
         found = resolve_accelerate_config(args.config_file)

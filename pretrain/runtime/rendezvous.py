@@ -104,9 +104,9 @@ class _Host:
                 now = time.monotonic()
                 if now - self.start > self.timeout_s:
                     self._fail(RendezvousError(
-                        f"{len(self.missing())} of {self.m.num_machines} machines did not join at {self.m.where} within "
-                        f"{self.timeout_s:g} s (missing: {_ranks(self.missing())}): start them with the same "
-                        f"main_process_ip, main_process_port and num_machines, or give them longer with --rdzv_timeout"))
+                        f"{len(self.missing())} of {self.m.num_machines} machines did not join at {self.m.where} "
+                        f"within {self.timeout_s:g} s (missing: {_ranks(self.missing())}): start them with the same "
+                        "main_process_ip, main_process_port and num_machines, or give them longer with --rdzv_timeout"))
                 if now >= next_report:
                     _say(f"waiting for {len(self.missing())} of {self.m.num_machines} machines at {self.m.where} "
                          f"(missing: {_ranks(self.missing())}; {now - self.start:.0f} s of {self.timeout_s:g} s)")
@@ -243,7 +243,8 @@ def _join(m: Machines, timeout_s: float, report_every_s: float) -> None:
     with conn:
         conn.settimeout(_POLL_S)
         why = "joined; waiting for the other machines"
-        _send(conn, f"{_HELLO} num_machines={m.num_machines} machine_rank={m.machine_rank} host={socket.gethostname()}")
+        _send(conn, f"{_HELLO} num_machines={m.num_machines} machine_rank={m.machine_rank} "
+                    f"host={socket.gethostname()}")
         buffer = b""
         while True:
             if time.monotonic() - start > timeout_s:
@@ -266,11 +267,11 @@ def _join(m: Machines, timeout_s: float, report_every_s: float) -> None:
                     why, next_report = "joined; waiting for the other machines", time.monotonic()
                 if line.startswith("error "):
                     raise RendezvousError(line[6:], code=2 if "stopped waiting" not in line else 1)
-                if line.startswith("wait "):
-                    why = f"joined; machine_rank 0 still waits for {_ranks(int(r) for r in line[5:].split(','))}"
-                    now = time.monotonic()
+                if line.startswith("wait ") and line[5:].replace(",", "").isdigit():
+                    missing = _ranks(int(r) for r in line[5:].split(","))
+                    why, now = f"joined; machine_rank 0 still waits for {missing}", time.monotonic()
                     if now >= next_report:
-                        _say(f"joined machine_rank 0 at {m.where}; waiting for {_ranks(int(r) for r in line[5:].split(','))} "
+                        _say(f"joined machine_rank 0 at {m.where}; waiting for {missing} "
                              f"({now - start:.0f} s of {timeout_s:g} s)")
                         next_report = now + report_every_s
 
