@@ -7,8 +7,17 @@
 `fsdp2`, ...; `configs/accelerate/NAME.yaml` also finds it from any folder); a name that is
 neither is one line naming the shipped ones, exit 2.
 
-It runs accelerate's launcher in this process and changes three things:
+It runs accelerate's launcher in this process and changes these things:
 
+- Several machines (`num_machines > 1`; configs/accelerate/multi_node.yaml fills its `${VAR}`
+  placeholders from the environment: MASTER_ADDR, MASTER_PORT, NUM_MACHINES, NUM_PROCESSES,
+  MACHINE_RANK) first meet on main_process_ip:main_process_port, saying which machines they wait
+  for; past `--rdzv_timeout SECONDS` (OMNILOOM_RDZV_TIMEOUT, default 300) one line names the missing
+  ones and the launch exits 1, and a signal ends the wait at once. Settings the machines must agree
+  on (num_processes a multiple of num_machines, machine_rank in range, one address) are checked
+  first: one line, exit 2. A signal while torch's own rendezvous then waits in C++, where Python
+  runs no handler, still ends the launch within seconds. On one machine, a launch that names no
+  port gets a free one.
 - SIGTERM / SIGINT (Slurm preemption, `kill`, Ctrl-C): the first one is passed to every rank as
   SIGTERM; the ranks finish their step, save a checkpoint together and exit 0, and so does the
   launcher. torchrun's agent would instead raise `SignalException`, give the ranks
@@ -33,8 +42,11 @@ import os
 import signal
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
+from . import machines, rendezvous
 from .lifeline import LAUNCHER_PID_ENV
 
 log = logging.getLogger("omniloom.launch")
@@ -67,7 +79,8 @@ def _launch_cli(args) -> int:
               "Every `accelerate launch` option works (`accelerate launch --help` lists them).\n")
         print(__doc__.split("\n\n", 2)[2].strip())
         return 0 if argv else 2
-    return launch(argv, quiet_agent=not getattr(args, "verbose", 0))
+    verbose = bool(getattr(args, "verbose", 0))
+    return launch(argv, quiet_agent=not verbose, verbose=verbose)
 
 
 class _Stopped(Exception):
@@ -131,10 +144,51 @@ class _Forwarder:
             self.killed = True
             self._send(signal.SIGKILL, group=True)
 
+    # -- a signal the main thread cannot see ---------------------------------------------------
+    def _watch_wakeups(self, read_fd: int, grace_s: float) -> None:
+        """Python runs a signal handler only between bytecodes: while the main thread waits in C++
+        (torchrun's TCPStore constructor waits for every machine, up to the rendezvous timeout) a
+        SIGTERM or SIGINT would sit unhandled. The interpreter's C handler writes each signal's
+        number to the wakeup fd at once; when the Python handler has not run `grace_s` later and no
+        rank was started, nothing needs saving: end the launch here, as the handler would have."""
+        delivered = 0
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for sig in data:
+                if sig not in _GRACEFUL:
+                    continue
+                delivered += 1
+                deadline = time.monotonic() + grace_s
+                while len(self.received) < delivered and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if len(self.received) >= delivered or self.ranks():
+                    delivered = len(self.received)
+                    continue
+                print(f"omniloom launch: stopped by {signal.Signals(sig).name} while torch's rendezvous was waiting for "
+                      "the other machines; no checkpoint was written", file=sys.stderr, flush=True)
+                os._exit(128 + sig)
+
+    def _arm_watchdog(self, grace_s: float = 3.0) -> None:
+        try:
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)
+            self._old_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except (ValueError, OSError):  # not the main thread: no signals to watch here
+            return
+        self._wakeup = (read_fd, write_fd)
+        threading.Thread(target=self._watch_wakeups, args=(read_fd, grace_s), name="omniloom-launch-signals",
+                         daemon=True).start()
+
     def install(self):
         """Our handler now (single-process launcher) and in place of torchrun's (its agent
         registers `_terminate_process_handler` by name when it starts the ranks)."""
         self._previous = {sig: signal.signal(sig, self.handle) for sig in _GRACEFUL}
+        self._arm_watchdog()
         try:
             from torch.distributed.elastic.multiprocessing import api as mp_api
         except ImportError:
@@ -163,6 +217,10 @@ class _Forwarder:
     def uninstall(self) -> None:
         for sig, handler in getattr(self, "_previous", {}).items():
             signal.signal(sig, handler)
+        if hasattr(self, "_wakeup"):
+            signal.set_wakeup_fd(self._old_wakeup)
+            os.close(self._wakeup[1])  # the watching thread reads EOF and ends
+            del self._wakeup
         if hasattr(self, "_mp_api"):
             self._mp_api._terminate_process_handler = self._orig_handler
             self._mp_api.PContext.start = self._orig_start
@@ -191,8 +249,10 @@ def _exit_codes(err: BaseException) -> dict[int, int]:
     return {}
 
 
-def _summarise(err: BaseException, reports: dict[int, tuple[int, str]], forwarder: _Forwarder) -> int:
-    """Print one line for a failed launch and return the launcher's exit code."""
+def _summarise(err: BaseException, reports: dict[int, tuple[int, str]], forwarder: _Forwarder, *,
+               verbose: bool = False) -> int:
+    """Print one line for a failed launch and return the launcher's exit code (`verbose`: with the
+    traceback of a launcher failure above it)."""
     if forwarder.killed:
         sig = forwarder.received[-1]
         print(f"omniloom launch: ranks killed by a second {signal.Signals(sig).name}; "
@@ -211,8 +271,13 @@ def _summarise(err: BaseException, reports: dict[int, tuple[int, str]], forwarde
         return code
     codes = _exit_codes(err)
     if not codes:
-        print(f"omniloom launch: the launcher failed: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}",
-              file=sys.stderr)
+        if verbose:
+            import traceback
+
+            traceback.print_exception(err, file=sys.stderr)
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"omniloom launch: the launcher failed: {type(err).__name__}{': ' + detail if detail else ''}"
+              f"{'' if verbose else ' (omniloom -v launch ... shows the traceback)'}", file=sys.stderr)
         return 1
     rank = min(codes, key=lambda r: (codes[r] < 0, r))  # a rank that exited beats one killed in the aftermath
     code = codes[rank]
@@ -227,22 +292,45 @@ def _summarise(err: BaseException, reports: dict[int, tuple[int, str]], forwarde
     return code if code in (2, 3) else 1  # 2: a user error the rank printed itself (argparse, `omniloom train`)
 
 
-def launch(argv: list[str], *, quiet_agent: bool = True) -> int:
+def _parser():
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    parser.add_argument("--rdzv_timeout", "--rdzv-timeout", type=float, default=None, metavar="SECONDS",
+                        help=f"(omniloom) how long the machines of a multi-machine launch wait for each other "
+                             f"before one line names the missing ones and the launch exits 1 "
+                             f"(default: ${rendezvous.TIMEOUT_ENV} or {rendezvous.DEFAULT_TIMEOUT_S:g})")
+    return parser
+
+
+def launch(argv: list[str], *, quiet_agent: bool = True, verbose: bool = False) -> int:
     """Run `accelerate launch ARGV` in this process; return the exit code the job should have.
     quiet_agent: keep torchrun's agent from logging each failure with its own traceback (the
-    summary says it once; `omniloom -v launch` shows them)."""
-    from accelerate.commands.launch import launch_command, launch_command_parser
+    summary says it once; `omniloom -v launch` shows them). verbose: a launcher failure shows its
+    traceback. A multi-machine launch first meets the other machines (pretrain/runtime/rendezvous.py)."""
+    from accelerate.commands.launch import launch_command
 
     from omniloom.pretrain.config.run import resolve_accelerate_config
 
-    args = launch_command_parser().parse_args(argv)
+    args = _parser().parse_args(argv)
+    rdzv_timeout = rendezvous.timeout_from(args.rdzv_timeout, os.environ)
+    del args.rdzv_timeout  # ours, not accelerate's
+    getattr(args, "nondefault", set()).discard("rdzv_timeout")
+    shipped = given = found = None
     if args.config_file:  # a shipped config by name, from any folder; a missing file is one line (exit 2)
         found = resolve_accelerate_config(args.config_file)
-        if str(found) != args.config_file:
-            log.info("--config_file %s: the shipped accelerate config %s", args.config_file, found)
-        args.config_file = str(found)
+        shipped = str(found) != args.config_file
+        args.config_file, given = str(found), args.config_file
     forwarder = _Forwarder()
     with tempfile.TemporaryDirectory(prefix="omniloom-launch-") as errors:
+        source = Path(args.config_file).name if args.config_file else "the default accelerate config"
+        cfg, origins = machines.fill_placeholders(args, errors, os.environ)  # user errors: one line, exit 2
+        meet = machines.settle(args, cfg, source, origins)
+        if shipped:
+            log.info("--config_file %s: the shipped accelerate config %s", given, found)
+        if meet is not None:  # torchrun's own rendezvous then waits no longer than ours
+            conf = [kv for kv in (args.rdzv_conf or "").split(",") if kv and not kv.startswith("timeout=")]
+            args.rdzv_conf = ",".join(conf + [f"timeout={max(1, round(rdzv_timeout))}"])
         old_env = {k: os.environ.get(k) for k in ("OMNILOOM_LAUNCHED", "OMNILOOM_LAUNCH_ERRORS", LAUNCHER_PID_ENV)}
         # the ranks stop when this process dies, even by SIGKILL (pretrain/runtime/lifeline.py)
         os.environ.update(OMNILOOM_LAUNCHED="1", OMNILOOM_LAUNCH_ERRORS=errors, **{LAUNCHER_PID_ENV: str(os.getpid())})
@@ -250,12 +338,17 @@ def launch(argv: list[str], *, quiet_agent: bool = True) -> int:
             logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
         forwarder.install()
         try:
+            if meet is not None:
+                rendezvous.rendezvous(meet, rdzv_timeout)
             launch_command(args)
             code = 0
+        except rendezvous.RendezvousError as err:
+            print(f"omniloom launch: error: {err}", file=sys.stderr)
+            code = err.code
         except SystemExit as err:  # accelerate's launcher exits 1 itself with --quiet
-            code = _summarise(err, _rank_reports(errors), forwarder) if err.code else 0
+            code = _summarise(err, _rank_reports(errors), forwarder, verbose=verbose) if err.code else 0
         except Exception as err:  # ChildFailedError (torchrun), CalledProcessError (single process), SignalException
-            code = _summarise(err, _rank_reports(errors), forwarder)
+            code = _summarise(err, _rank_reports(errors), forwarder, verbose=verbose)
         finally:
             forwarder.uninstall()
             for k, v in old_env.items():
