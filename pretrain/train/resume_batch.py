@@ -89,10 +89,15 @@ def plan_accumulation(saved: Batching, now: Batching, *, policy: str, seq_len: i
             f"data.batch_size={now.batch_size} rows divides it (the checkpoint ran data.batch_size={saved.batch_size}): "
             f"resume with data.batch_size={saved.batch_size}, or pass checkpoint.resume_global_batch=change to train on "
             f"with {now.describe(seq_len)}")
+    # the other way out on this many processes: a data.batch_size whose rows an accumulation fits
+    sizes = [b for b in range(now.batch_size - 1, 0, -1) if saved.rows % (now.processes * b) == 0]
+    smaller = (f", pass data.batch_size={sizes[0]} ({now.processes} x {sizes[0]} rows x accumulation "
+               f"{saved.rows // (now.processes * sizes[0])} keeps it; the data stream goes on with the same rows)"
+               if sizes else "")
     raise ValueError(
         f"the checkpoint's global batch is {saved.describe(seq_len)}; on {now.processes} process(es) x {now.batch_size} rows "
-        f"no gradient accumulation gives {saved.rows} rows: launch {', '.join(map(str, fits))} process(es), or pass "
-        f"checkpoint.resume_global_batch=change to train on with {now.describe(seq_len)}")
+        f"no gradient accumulation gives {saved.rows} rows: launch {', '.join(map(str, fits))} process(es){smaller}, or "
+        f"pass checkpoint.resume_global_batch=change to train on with {now.describe(seq_len)}")
 
 
 def keep_global_batch(cfg, checkpoint: str | Path, processes: int):

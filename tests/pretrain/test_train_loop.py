@@ -751,6 +751,12 @@ def test_plan_keeps_the_global_batch_by_accumulation_or_refuses_naming_what_fits
         plan_accumulation(saved, Batching(3, 4, 1), policy="keep", seq_len=512)
     accum, note = plan_accumulation(saved, Batching(3, 4, 1), policy="change", seq_len=512)
     assert accum == 1 and "changes from 8 rows" in note and "to 12 rows" in note
+    # issue 41 item 5: a 1-process run of 2 rows resumed on 2 processes x 2 rows: the first refusal
+    # names all three ways out, the smaller data.batch_size too (which then resumes)
+    with pytest.raises(ValueError, match=r"launch 1 process\(es\), pass data.batch_size=1 \(2 x 1 rows x accumulation 1 "
+                                         r"keeps it; .*\), or pass checkpoint.resume_global_batch=change"):
+        plan_accumulation(Batching(1, 2, 1), Batching(2, 2, 1), policy="keep", seq_len=512)
+    assert plan_accumulation(Batching(1, 2, 1), Batching(2, 1, 1), policy="keep", seq_len=512)[0] == 1
 
 
 
