@@ -412,3 +412,18 @@ def describe_gap(value: float | None, detail: dict | None) -> str:
 
 def _ppl(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf")
+
+
+def json_safe(value, path: str = "") -> tuple[object, list[str]]:
+    """(a copy of `value` with every NaN or infinity replaced by None, the dotted keys of those
+    values). JSON has no NaN: json.dumps would write `NaN`, which no strict reader accepts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, [path]
+    if isinstance(value, dict):
+        items = [(k, json_safe(v, f"{path}.{k}" if path else str(k))) for k, v in value.items()]
+        return {k: v for k, (v, _) in items}, [p for _, (_, bad) in items for p in bad]
+    if isinstance(value, (list, tuple)):
+        items = [json_safe(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value)]
+        return [v for v, _ in items], [p for _, bad in items for p in bad]
+    return value, []
+
