@@ -311,13 +311,14 @@ def test_a_tokenizer_file_nested_too_deep_is_one_line(made, tmp_path, capsys):
 
 # ---- item 7: nonsense floats ----------------------------------------------------------------------
 @pytest.mark.parametrize("changes, needle", [
-    ({"norm_eps": -1}, "model.norm_eps=-1 "),
-    ({"norm_eps": -1.0}, "model.norm_eps=-1.0 "),
-    ({"rope_base": 0}, "model.rope_base=0 "),
-    ({"rope_base": 0.0}, "model.rope_base=0.0 "),
-    ({"rope_base": 1}, "model.rope_base=1"),
-    ({"init_std": -0.5}, "model.init_std=-0.5"),
-    ({"z_loss_coef": -1.0}, "model.z_loss_coef=-1.0"),
+    # a whole number in JSON was refused with the integer bounds on main ("between 1 and 2147483647")
+    ({"norm_eps": -1}, "model.norm_eps=-1 must be > 0"),
+    ({"norm_eps": -1.0}, "model.norm_eps=-1.0 must be > 0"),
+    ({"rope_base": 0}, "model.rope_base=0 must be > 1"),
+    ({"rope_base": 0.0}, "model.rope_base=0.0 must be > 1"),
+    ({"rope_base": 1}, "model.rope_base=1 must be > 1"),
+    ({"init_std": -0.5}, "model.init_std=-0.5 must be >= 0"),
+    ({"z_loss_coef": -1.0}, "model.z_loss_coef=-1.0 must be >= 0"),
 ])
 def test_nonsense_model_floats_are_refused_where_config_json_is_read(made, tmp_path, capsys, changes, needle):
     """eval exited 0 with every loss NaN, and wrote NaN (not JSON) into eval.json."""
