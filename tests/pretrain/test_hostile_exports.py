@@ -179,7 +179,7 @@ def test_every_media_setting_has_a_range_named_with_the_file(made, tmp_path, med
 def test_a_float_tensor_relabelled_as_int32_is_refused_everywhere(made, tmp_path, capsys):
     from omniloom.pretrain.config.run import RunConfig
     from omniloom.data.config import DataConfig
-    from omniloom.pretrain.train.init_from import load_init_weights
+    from omniloom.pretrain.train.init_from import check_init_from, load_init_weights
 
     root, export, shards, model = made
     bad = copy_export(export, tmp_path / "bad")
@@ -197,6 +197,8 @@ def test_a_float_tensor_relabelled_as_int32_is_refused_everywhere(made, tmp_path
                         "model.safetensors", name, "I32")
     assert not out.exists()
     cfg = RunConfig(model=model.cfg, data=DataConfig(tokenizer=str(root / "tok")))
+    with pytest.raises(ValueError, match=rf"init_from=.*tensor {name} has dtype I32"):
+        check_init_from(str(bad))  # before any setup: the headers are read with config.json
     with pytest.raises(ValueError, match=rf"init_from=.*tensor {name} has dtype I32"):
         load_init_weights(OmniModel(cfg.model), bad, cfg)
 
