@@ -29,6 +29,8 @@ def conv_stem_features(p: int, width: int = CONV_STEM_WIDTH) -> int:
     """Features the conv patch stem gives a p x p patch: two stride-2 3x3 convolutions (padding 1)."""
     side = (((p + 1) // 2) + 1) // 2
     return 2 * width * side * side
+
+
 def check_floats(section: str, obj, *, above: dict[str, float] | None = None, at_least: dict[str, float] | None = None) -> None:
     """ValueError naming `section.key` for a float setting that is not finite, or not above
     (`above`) or at least (`at_least`) its bound: checked where a config is built (a YAML preset,

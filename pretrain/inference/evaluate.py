@@ -426,4 +426,3 @@ def json_safe(value, path: str = "") -> tuple[object, list[str]]:
         items = [json_safe(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value)]
         return [v for v, _ in items], [p for _, bad in items for p in bad]
     return value, []
-
