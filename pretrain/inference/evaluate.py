@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 from omniloom.pretrain.runtime.threads import tuned
 
+from .load import DEFAULT_CONTEXT
+
 log = logging.getLogger(__name__)
 
 MODALITY_NAMES = ("text", "code", "image", "video", "special")
@@ -216,7 +218,7 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
 
     if max_docs is not None and max_docs < 1:
         raise ValueError("--max-docs must be >= 1")
-    max_len = max_len or 8192
+    max_len = max_len or DEFAULT_CONTEXT
     sets = _resolve_sources(data)
     available = sum(s.num_samples for s in sets)
     total = min(available, max_docs) if max_docs else available

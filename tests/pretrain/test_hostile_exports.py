@@ -129,14 +129,23 @@ def run_child(argv: list[str], limit_bytes: int = 3 << 30, timeout: float = 240)
 
 
 # ---- item 1: a tokenizer file that allocates without bound ---------------------------------------
-@pytest.mark.parametrize("command", ["generate", "eval"])
-def test_a_tokenizer_file_that_would_allocate_without_bound_is_refused_before_decoding(made, tmp_path, command):
+HOSTILE_MEDIA = {"video_fps": 1e4, "video_frame_budget": 1_000_000}
+# each setting in its range, the block within the value cap: a 2 s clip became a 15,000-token prompt (2.1 GB)
+LONG_MEDIA = {"video_fps": 240, "video_frame_budget": 2048, "video_patch_budget": 64}
+
+
+@pytest.mark.parametrize("command, media, needle", [("generate", HOSTILE_MEDIA, "video_fps"),
+                                                    ("eval", HOSTILE_MEDIA, "video_fps"),
+                                                    ("generate", LONG_MEDIA, "largest video block")])
+def test_a_tokenizer_file_that_would_allocate_without_bound_is_refused_before_decoding(made, tmp_path, command, media,
+                                                                                        needle):
     """video_fps=1e4 with video_frame_budget=1e6: `generate --video` on a 2 s 64x64 clip reached
-    8.7 GB and ran on, `eval` 4 GB. Now refused from the settings alone, under 1 GB."""
+    8.7 GB and ran on, `eval` 4 GB. Now refused from the settings alone, under 1 GB; and settings
+    in range whose video block outgrows the model's context are refused by generate."""
     from omniloom.tokenizers.testing import make_video_bytes
 
     root, export, shards, _ = made
-    bad = edit_tokenizer(copy_export(export, tmp_path / "bad"), media={"video_fps": 1e4, "video_frame_budget": 1_000_000})
+    bad = edit_tokenizer(copy_export(export, tmp_path / "bad"), media=media)
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(make_video_bytes(seconds=2.0, fps=8, width=64, height=64))
     out = tmp_path / "out.txt"
@@ -149,7 +158,7 @@ def test_a_tokenizer_file_that_would_allocate_without_bound_is_refused_before_de
     assert peak < 1 << 30, f"peak RSS {peak / 2**20:.0f} MiB"
     lines = text.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("omniloom: error: "), text[-2000:]
-    assert TOKENIZER_FILE in lines[0] and "video_fps" in lines[0], lines[0]
+    assert TOKENIZER_FILE in lines[0] and needle in lines[0], lines[0]
     assert not out.exists()
 
 
@@ -278,6 +287,13 @@ def test_config_json_sections_of_the_wrong_type_are_named(made, tmp_path, capsys
     bad = copy_export(export, tmp_path / "bad", top={section: ["x"]})
     refused_in_one_line(["eval", str(bad), "--data", str(shards), "--no-progress"], capsys,
                         str(bad / "config.json"), f"'{section}' must be an object")
+
+
+def test_a_seq_len_that_is_no_whole_number_is_named(made, tmp_path, capsys):
+    _, export, shards, _ = made
+    bad = copy_export(export, tmp_path / "bad", top={"source": {"seq_len": "512"}})
+    refused_in_one_line(["eval", str(bad), "--data", str(shards), "--no-progress"], capsys, str(bad / "config.json"),
+                        "source.seq_len='512'")
 
 
 def test_a_patch_token_id_past_the_vocabulary_is_refused_naming_the_key(made, tmp_path, capsys):
