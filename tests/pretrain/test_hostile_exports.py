@@ -6,6 +6,7 @@ before anything big is allocated or decoded, and leaves nothing behind that a la
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -13,7 +14,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -102,30 +102,29 @@ def rewrite_header(file: Path, edit) -> None:
     file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
 
 
-def run_child(argv: list[str], limit_bytes: int = 3 << 30, timeout: float = 240) -> tuple[int, int, str]:
-    """(exit status, peak RSS in bytes, output) of `omniloom ARGV` in a child process. The child's
-    data segment is capped (a runaway allocation fails there instead of filling the machine)."""
+_spec = importlib.util.spec_from_file_location("subproc_budget", Path(__file__).resolve().parents[1] / "support" / "subproc_budget.py")
+budget = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(budget)
+
+# `omniloom ARGV` that says its own peak RSS (with any children's) last on stderr
+_PEAK = ("import resource, sys\nfrom omniloom.pretrain.cli import main\nrc = 1\ntry:\n    rc = main(sys.argv[1:])\nfinally:\n"
+         "    peak = max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))\n"
+         "    print(f'peak_rss_kb {peak}', file=sys.stderr)\nsys.exit(rc)\n")
+
+
+def run_child(argv: list[str], limit_bytes: int = 3 << 30) -> tuple[int, int, str]:
+    """(exit status, peak RSS in bytes, output without the peak line) of `omniloom -qq ARGV` in a
+    child process, limited by CPU work (tests/support/subproc_budget.py). The child's data segment
+    is capped, so a runaway allocation fails there instead of filling the machine."""
     def cap():
         resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
 
-    exe = Path(sys.executable).parent / "omniloom"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(os.devnull, "rb") as stdin:
-        import tempfile
-
-        with tempfile.TemporaryFile() as out:
-            p = subprocess.Popen([str(exe), "-qq", *argv], stdin=stdin, stdout=out, stderr=subprocess.STDOUT,
-                                 preexec_fn=cap, env=env)
-            timer = threading.Timer(timeout, p.kill)
-            timer.start()
-            try:
-                _, status, usage = os.wait4(p.pid, 0)
-            finally:
-                timer.cancel()
-            p.returncode = os.waitstatus_to_exitcode(status)
-            out.seek(0)
-            text = out.read().decode(errors="replace")
-    return p.returncode, usage.ru_maxrss * 1024, text
+    res = budget.run([sys.executable, "-c", _PEAK, "-qq", *argv], cpu_budget_s=300, stall_s=120, preexec_fn=cap,
+                     env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    lines = (res.stdout + res.stderr).splitlines()
+    peak = [int(ln.split()[1]) for ln in lines if ln.startswith("peak_rss_kb ")]
+    assert peak, res.stderr[-2000:]
+    return res.returncode, peak[-1] * 1024, "\n".join(ln for ln in lines if not ln.startswith("peak_rss_kb "))
 
 
 # ---- item 1: a tokenizer file that allocates without bound ---------------------------------------
