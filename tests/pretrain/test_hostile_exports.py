@@ -26,6 +26,10 @@ from omniloom.pretrain.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+_spec = importlib.util.spec_from_file_location("subproc_budget", Path(__file__).resolve().parents[1] / "support" / "subproc_budget.py")
+budget = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(budget)
+
 TOKENIZER_FILE = "omniloom_tokenizer.json"
 
 
@@ -101,10 +105,6 @@ def rewrite_header(file: Path, edit) -> None:
     text += b" " * (-len(text) % 8)
     file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
 
-
-_spec = importlib.util.spec_from_file_location("subproc_budget", Path(__file__).resolve().parents[1] / "support" / "subproc_budget.py")
-budget = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(budget)
 
 # `omniloom ARGV` that says its own peak RSS (with any children's) last on stderr
 _PEAK = ("import resource, sys\nfrom omniloom.pretrain.cli import main\nrc = 1\ntry:\n    rc = main(sys.argv[1:])\nfinally:\n"
