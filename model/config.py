@@ -29,6 +29,25 @@ def conv_stem_features(p: int, width: int = CONV_STEM_WIDTH) -> int:
     """Features the conv patch stem gives a p x p patch: two stride-2 3x3 convolutions (padding 1)."""
     side = (((p + 1) // 2) + 1) // 2
     return 2 * width * side * side
+
+
+def check_floats(section: str, obj, *, above: dict[str, float] | None = None, at_least: dict[str, float] | None = None) -> None:
+    """ValueError naming `section.key` for a float setting that is not finite, or not above
+    (`above`) or at least (`at_least`) its bound: checked where a config is built (a YAML preset,
+    a checkpoint's config.yaml, an export's config.json), so a nonsense value (norm_eps=-1,
+    rope_base=0: every loss NaN) never reaches a model. Values of another type are left to the
+    reader's type check."""
+    for bounds, strict in ((above or {}, True), (at_least or {}, False)):
+        for name, low in bounds.items():
+            value = getattr(obj, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value):
+                raise ValueError(f"{section}.{name}={value!r} must be a finite number")
+            if value < low or (strict and value == low):
+                raise ValueError(f"{section}.{name}={value!r} must be {'>' if strict else '>='} {low:g}")
+
+
 # the value a saved config (config.json of an export, config.yaml of a checkpoint) written before
 # the key existed means: the layout those models were trained with
 LEGACY_ROPE_LAYOUT = "sections"
@@ -80,6 +99,9 @@ class AttentionConfig:
     indexer_rope_dim: int = 0
     dense_warmup_steps: int = 0
 
+    def __post_init__(self) -> None:
+        check_floats("model.attention", self, at_least={"indexer_loss_coef": 0.0})
+
 
 @dataclass(kw_only=True)
 class MoEConfig:
@@ -110,6 +132,9 @@ class MoEConfig:
     num_visual_experts: int = 0
     dispatch: Literal["auto", "grouped", "loop"] = "auto"  # auto: grouped matmul where it works, loop otherwise
     expert_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        check_floats("model.moe", self, at_least={"bias_update_rate": 0.0, "aux_loss_coef": 0.0, "router_z_loss_coef": 0.0})
 
 
 @dataclass(kw_only=True)
@@ -157,6 +182,10 @@ class ModelConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
+    def __post_init__(self) -> None:
+        # rope_base 0 or less gives NaN rotations; 1 gives every frequency pair the same (no long range)
+        check_floats("model", self, above={"norm_eps": 0.0, "rope_base": 1.0}, at_least={"z_loss_coef": 0.0, "init_std": 0.0})
+
     @property
     def patch_size(self) -> int:
         """The side p of an image patch (patch_dim = 3 * p * p)."""
@@ -198,6 +227,10 @@ class ModelConfig:
         att, moe = self.attention, self.moe
         if self.vocab_size <= 0:
             raise ValueError("model.vocab_size is 0: set it from omniloom_tokenizer.json (pretrain fills it) or pass model.vocab_size=N")
+        for name in ("patch_token_id", "pad_token_id"):
+            if getattr(self, name) >= self.vocab_size:
+                raise ValueError(f"model.{name}={getattr(self, name)} is not an id of the vocabulary "
+                                 f"(model.vocab_size={self.vocab_size}); it must come from the same omniloom_tokenizer.json")
         if self.num_heads <= 0 or self.dim % self.num_heads:
             raise ValueError(f"model.dim={self.dim} must be a multiple of model.num_heads={self.num_heads}")
         if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:

@@ -59,7 +59,10 @@ def _build(cls, data: dict, path: str):
                 value = tuple(value)
             _check_type(value, tp, f"{path}.{key}")
         kwargs[key] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # a range its __post_init__ checks (model.norm_eps=-1, ...)
+        raise ValueError(f"{err} (in {CONFIG_NAME}: the file is corrupt or was not written by `omniloom export`)") from err
 
 
 def _type_ok(value, tp) -> bool:
@@ -103,6 +106,28 @@ def _inside(folder: Path, file: Path) -> Path:
     return file
 
 
+def read_json_object(path: Path) -> dict:
+    """The JSON object in `path` (a file of an export folder), or one ValueError line naming the
+    file: not JSON, not an object, or nested too deep for the parser (a RecursionError otherwise)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{path} is nested too deep to be a file omniloom wrote; refusing to read it") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must be a JSON object, got a {json_type(data)}")
+    return data
+
+
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type, for messages ('a list', not 'a list object')."""
+    for tp, name in ((bool, "boolean"), (dict, "object"), (list, "list"), (str, "string"), ((int, float), "number")):
+        if isinstance(value, tp):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
 def read_export_config(path: str | Path) -> dict:
     """The parsed config.json of an export folder (FileNotFoundError / ValueError say what is wrong)."""
     folder = Path(path)
@@ -111,15 +136,20 @@ def read_export_config(path: str | Path) -> dict:
         hint = " (that is a training run: export it first with `omniloom export RUN --out DIR`)" if (folder / "checkpoints").is_dir() else ""
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; pass a folder written by `omniloom export`{hint}")
     _inside(folder, cfg_path)
-    try:
-        info = json.loads(cfg_path.read_text())
-    except ValueError as err:
-        raise ValueError(f"{cfg_path} is not valid JSON: {err}") from err
+    info = read_json_object(cfg_path)
     if info.get("format") != FORMAT:
         raise ValueError(f"{cfg_path} is not an omniloom export (format {info.get('format')!r}, want {FORMAT!r})")
-    if int(info.get("format_version", 0)) > FORMAT_VERSION:
-        raise ValueError(f"{cfg_path} has format_version {info['format_version']}, newer than this omniloom reads "
+    version = info.get("format_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ValueError(f"{cfg_path}: format_version {version!r} is not a whole number; the file is corrupt or was not "
+                         "written by `omniloom export`")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"{cfg_path} has format_version {version}, newer than this omniloom reads "
                          f"({FORMAT_VERSION}); upgrade omniloom")
+    for key in ("model", "tokenizer", "source"):
+        if key in info and not isinstance(info[key], dict):
+            raise ValueError(f"{cfg_path}: '{key}' must be an object, got a {json_type(info[key])}; the file is corrupt "
+                             "or was not written by `omniloom export`")
     return info
 
 
@@ -129,10 +159,9 @@ def _weight_files(folder: Path) -> tuple[list[Path], dict | None]:
     index = folder / INDEX_NAME
     if index.is_file():
         _inside(folder, index)
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map") or {}
-        except (ValueError, AttributeError) as err:
-            raise ValueError(f"{index} is not a valid index: {err}") from err
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must be an object of tensor name -> shard file name")
         if not weight_map:
             raise ValueError(f"{index} lists no tensors")
         files = []
@@ -148,36 +177,58 @@ def _weight_files(folder: Path) -> tuple[list[Path], dict | None]:
     return [_inside(folder, single)], None
 
 
-def read_safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in an export folder, from the safetensors headers only (no
-    tensor data is read): what `load_pretrained` checks config.json against before allocating."""
+# The dtypes omniloom writes (export --dtype fp32 | bf16 | fp16). Integer bytes relabelled as a
+# float tensor's (same size, same shape) would load as a silently wrong model.
+WEIGHT_DTYPES = ("F32", "BF16", "F16")
+
+
+def _scan_weights(folder: Path) -> tuple[list[Path], dict[str, tuple[int, ...]]]:
+    """(files, name -> shape) from the safetensors headers only. Refuses, naming the file and the
+    tensor: a header safetensors cannot read, a dtype omniloom does not write, and with an index,
+    a tensor the index does not name or places in another shard (a tensor in two shards would
+    otherwise be taken from whichever file came last), or one the index names that no shard holds."""
     from safetensors import safe_open
 
+    files, weight_map = _weight_files(folder)
     shapes: dict[str, tuple[int, ...]] = {}
-    for file in _weight_files(Path(path))[0]:
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as fh:
-                for name in fh.keys():
-                    shapes[name] = tuple(fh.get_slice(name).get_shape())
+                header = [(name, fh.get_slice(name).get_dtype(), tuple(fh.get_slice(name).get_shape())) for name in fh.keys()]
         except Exception as err:  # SafetensorError: a header that lies about sizes or offsets
             raise ValueError(f"{file} is not a valid safetensors file: {err}") from err
-    return shapes
+        for name, dtype, shape in header:
+            if weight_map is not None and weight_map.get(name) != file.name:
+                where = f"places in {weight_map[name]}" if name in weight_map else "does not name"
+                raise ValueError(f"{file} holds {name}, which {INDEX_NAME} {where}; refusing a shard the index does not "
+                                 "account for (remove the stray tensor or re-export)")
+            if dtype not in WEIGHT_DTYPES:
+                raise ValueError(f"{file}: tensor {name} has dtype {dtype}; omniloom's weights are floating point "
+                                 f"({', '.join(WEIGHT_DTYPES)}): the file is corrupt or was not written by omniloom")
+            shapes[name] = shape
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(shapes))
+        if missing:
+            raise ValueError(f"{folder / INDEX_NAME} lists tensors no shard holds: {missing[:5]}")
+    return files, shapes
+
+
+def read_safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in an export folder, from the safetensors headers only (no
+    tensor data is read; every check of `_scan_weights`): what `load_pretrained` checks
+    config.json against before allocating."""
+    return _scan_weights(Path(path))[1]
 
 
 def read_safetensors(path: str | Path, device: str = "cpu") -> dict:
-    """All tensors of an export folder: `model.safetensors`, or every shard its index lists
-    (each listed tensor must be found in its shard)."""
+    """All tensors of an export folder: `model.safetensors`, or every shard its index lists, each
+    tensor from the shard the index names for it (headers checked first: `_scan_weights`)."""
     from safetensors.torch import load_file
 
-    folder = Path(path)
-    files, weight_map = _weight_files(folder)
+    files, _ = _scan_weights(Path(path))
     state: dict = {}
     for file in files:
         state.update(load_file(str(file), device=device))
-    if weight_map is not None:
-        missing = sorted(set(weight_map) - set(state))
-        if missing:
-            raise ValueError(f"{folder}: the index lists tensors no shard holds: {missing[:5]}")
     return state
 
 
@@ -190,6 +241,7 @@ _MAY_BE_ZERO = {"num_experts", "num_shared_experts", "num_dense_layers", "num_vi
 
 
 def _check_bounds(cfg, path: str = "model", config_name: str = CONFIG_NAME) -> None:
+    hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value, key = getattr(cfg, f.name), f"{path}.{f.name}"
         if dataclasses.is_dataclass(value):
@@ -199,7 +251,7 @@ def _check_bounds(cfg, path: str = "model", config_name: str = CONFIG_NAME) -> N
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
-            if isinstance(v, float):
+            if isinstance(v, float) or hints[f.name] is float:  # JSON writes a whole float as an int
                 if v != v or abs(v) == float("inf"):
                     raise ValueError(f"{key}={value} in {config_name} is not a finite number")
                 continue
@@ -248,6 +300,11 @@ def check_config_against_shapes(cfg, shapes: dict[str, tuple[int, ...]], where, 
     from .decoder import OmniModel
 
     _check_bounds(cfg, config_name=config_name)
+    try:
+        cfg.validate()
+    except ValueError as err:
+        raise ValueError(f"{where}: {config_name}: {err}") from err
+    _refuse_a_name_prefix(shapes, where)
     layers = {int(k.split(".")[1]) for k in shapes if k.startswith("layers.") and k.split(".")[1].isdigit()}
     if cfg.num_layers != len(layers):  # checked first: building a huge layer count even on meta takes long
         raise ValueError(f"{where}: {config_name} says model.num_layers={cfg.num_layers}, the weights hold {len(layers)} layers")
@@ -259,6 +316,24 @@ def check_config_against_shapes(cfg, shapes: dict[str, tuple[int, ...]], where, 
     for name, shape in expected.items():
         if tuple(shapes[name]) != shape:
             raise ValueError(f"{where}: tensor {name} has shape {tuple(shapes[name])}, {config_name} implies {shape}")
+
+
+def _refuse_a_name_prefix(shapes: dict, where) -> None:
+    """Weights saved from a wrapper (`model.embed.tok.weight`, as a transformers `...ForCausalLM`
+    around the model names them) are not omniloom's layout: refused with the prefix and how to
+    strip it, rather than taken as a model with 0 layers. Not stripped silently: the names are the
+    contract of the file, and an export of omniloom's own never has the prefix."""
+    if not shapes or "embed.tok.weight" in shapes:
+        return
+    hit = next((k for k in shapes if k.endswith(".embed.tok.weight")), None)
+    if hit is None:
+        return
+    prefix = hit[: -len("embed.tok.weight")]
+    if all(k.startswith(prefix) for k in shapes):
+        raise ValueError(f"{where}: every weight name in its safetensors files starts with {prefix!r} ({hit}, where omniloom "
+                         "expects embed.tok.weight): "
+                         f"the weights were saved from a wrapper; strip the prefix, e.g. with safetensors: "
+                         f"save_file({{k.removeprefix({prefix!r}): v for k, v in load_file(f).items()}}, f)")
 
 
 def load_pretrained(path: str | Path, *, device: str = "cpu", dtype: str | None = None, backend: str | None = None):
@@ -273,7 +348,10 @@ def load_pretrained(path: str | Path, *, device: str = "cpu", dtype: str | None 
     from .decoder import OmniModel
 
     info = read_export_config(path)
-    cfg = model_config_from_dict(info.get("model") or {})
+    try:
+        cfg = model_config_from_dict(info.get("model") or {})
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
     if backend is not None:
         cfg = dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, backend=backend))
     elif cfg.attention.backend in ("flex", "flash") and not torch.cuda.is_available():

@@ -7,6 +7,7 @@ travel with the tokenizer rather than with the model config.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import asdict, dataclass, fields
 
 VIDEO_SAMPLING = ("clip", "spread")
@@ -29,6 +30,73 @@ class MediaError(DocumentError):
     """Image or video bytes that yield no usable pixels. Reasons: `undecodable` (not an image/video
     or broken headers), `no_video_stream`, `no_frames` (no frame decodes), `too_large` (over the
     pixel limit), `empty` (zero bytes or a zero-sized picture)."""
+
+
+# The range of every numeric media setting, (low, high) inclusive: a tokenizer file is read from
+# exports others wrote, and these numbers size allocations (video_fps=1e4 with a frame budget of
+# 1e6 sampled 20,000 frames of a 2 s clip: 8.7 GB). Wide enough for any real model.
+MEDIA_RANGES: dict[str, tuple[type, float, float]] = {
+    "patch_size": (int, 1, 128),
+    "temporal_patch_size": (int, 1, 64),
+    "image_patch_budget": (int, 1, 65_536),
+    "video_fps": (float, 0.001, 240.0),
+    "video_frame_budget": (int, 1, 4096),
+    "video_patch_budget": (int, 1, 65_536),
+    "video_clip_start": (float, 0.0, 1e7),
+    "video_threads": (int, 0, 256),
+    "max_image_pixels": (int, 1, 1 << 28),
+}
+TRIPLES = {"pixel_mean": (float, 0.0, 1.0), "pixel_std": (float, 0.001, 1000.0), "alpha_background": (int, 0, 255)}
+# The most values one visual block's patches may hold: 2**25 float32 values, 128 MiB (the
+# defaults' largest video block holds 688,128). Checked from the settings before any decoding, so
+# the memory of one block is bounded whatever the file says.
+MAX_BLOCK_VALUES = 1 << 25
+
+
+def _is_number(value, tp: type) -> bool:
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if tp is int else isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _range_problems(s) -> list[str]:
+    """What is wrong with each setting on its own: its type, then its range."""
+    problems = []
+    for name, (tp, low, high) in MEDIA_RANGES.items():
+        value = getattr(s, name)
+        if not _is_number(value, tp):
+            problems.append(f"{name}={value!r} must be {'a whole number' if tp is int else 'a finite number'}")
+        elif not low <= value <= high:
+            problems.append(f"{name}={value!r} is out of range ({low:g} to {high:g})")
+    for name, (tp, low, high) in TRIPLES.items():
+        value = getattr(s, name)
+        if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(_is_number(v, tp) for v in value):
+            problems.append(f"{name}={value!r} must be 3 {'whole' if tp is int else 'finite'} numbers")
+        elif not all(low <= v <= high for v in value):
+            problems.append(f"{name}={list(value)} is out of range (each {low:g} to {high:g})")
+    for name, choices in (("video_sampling", VIDEO_SAMPLING), ("patch_dtype", PATCH_DTYPES)):
+        if getattr(s, name) not in choices:
+            problems.append(f"{name} must be one of {choices}, got {getattr(s, name)!r}")
+    if not isinstance(s.jpeg_draft, bool):
+        problems.append(f"jpeg_draft={s.jpeg_draft!r} must be true or false")
+    return problems
+
+
+def _block_problems(s) -> list[str]:
+    """Settings each in range that together would make one visual block too large."""
+    problems = []
+    cap_mib = MAX_BLOCK_VALUES * 4 >> 20
+    image = s.image_patch_budget * s.patch_dim
+    if image > MAX_BLOCK_VALUES:
+        problems.append(f"one image block would hold {s.image_patch_budget} patches x {s.patch_dim} values "
+                        f"({image * 4 >> 20} MiB as float32), over the {cap_mib} MiB a block may take: lower "
+                        "image_patch_budget or patch_size")
+    video = s.max_video_patches * s.tubelet_dim
+    if video > MAX_BLOCK_VALUES:
+        problems.append(f"one video block would hold {s.max_video_patches} tubelets x {s.tubelet_dim} values "
+                        f"({video * 4 >> 20} MiB as float32), over the {cap_mib} MiB a block may take: lower "
+                        "video_frame_budget, video_patch_budget, temporal_patch_size or patch_size")
+    return problems
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,24 +130,9 @@ class MediaSettings:
     jpeg_draft: bool = True  # let libjpeg downscale by 1/2..1/8 while decoding (much faster, near-identical pixels)
 
     def __post_init__(self):
-        problems = []
-        if self.patch_size < 1:
-            problems.append("patch_size must be >= 1")
-        if self.temporal_patch_size < 1:
-            problems.append("temporal_patch_size must be >= 1")
-        for name in ("image_patch_budget", "video_frame_budget", "video_patch_budget", "max_image_pixels"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1")
-        if not self.video_fps > 0:
-            problems.append("video_fps must be > 0")
-        if self.video_clip_start < 0:
-            problems.append("video_clip_start must be >= 0")
-        if self.video_sampling not in VIDEO_SAMPLING:
-            problems.append(f"video_sampling must be one of {VIDEO_SAMPLING}, got {self.video_sampling!r}")
-        if self.patch_dtype not in PATCH_DTYPES:
-            problems.append(f"patch_dtype must be one of {PATCH_DTYPES}, got {self.patch_dtype!r}")
-        if len(self.pixel_mean) != 3 or len(self.pixel_std) != 3 or min(self.pixel_std) <= 0:
-            problems.append("pixel_mean and pixel_std need 3 values each, std > 0")
+        problems = _range_problems(self)
+        if not problems:
+            problems = _block_problems(self)
         if problems:
             raise ValueError("invalid media settings: " + "; ".join(problems))
         # JSON gives lists; keep tuples so settings stay hashable and compare equal.
@@ -112,7 +165,10 @@ class MediaSettings:
 
     @classmethod
     def from_dict(cls, d: dict) -> MediaSettings:
-        """Build from a dict (omniloom_tokenizer.json's "media"); an unknown key is an error naming the closest."""
+        """Build from a dict (omniloom_tokenizer.json's "media"); an unknown key is an error naming the
+        closest, a value of the wrong type or out of its range (MEDIA_RANGES) one naming the key."""
+        if not isinstance(d, dict):
+            raise ValueError(f"invalid media settings: expected an object of settings, got {type(d).__name__}")
         names = [f.name for f in fields(cls)]
         for key in d:
             if key not in names:

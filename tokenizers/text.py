@@ -254,14 +254,28 @@ def read_meta(jpath: str | os.PathLike) -> dict:
     jpath = Path(jpath)
     try:
         meta = json.loads(jpath.read_text(encoding="utf-8"))
+    except RecursionError:  # the parser recurses per level: 100,000 nested lists
+        raise ValueError(f"{jpath} is nested too deep to be a file omniloom wrote; refusing to read it") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise ValueError(f"{jpath} is not valid JSON: {err}") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"{jpath} is not an omniloom tokenizer (format {got!r}, want {FORMAT!r})")
+    for key, tp in META_TYPES.items():
+        value = meta.get(key)
+        if key in meta and (isinstance(value, bool) or not isinstance(value, tp)):
+            want = {int: "a whole number", str: "a string", dict: "an object"}[tp]
+            raise ValueError(f"{jpath}: '{key}' must be {want}, got {value!r} (a {_JSON_NAMES.get(type(value), type(value).__name__)}); "
+                             "the file is corrupt or was not written by omniloom")
     if meta.get("version", 0) > VERSION:
         raise ValueError(f"{jpath} has version {meta.get('version')}, newer than this omniloom reads ({VERSION}); upgrade omniloom")
     return meta
+
+
+# The keys of omniloom_tokenizer.json that are read, and their JSON types.
+META_TYPES = {"version": int, "vocab_size": int, "model_sha256": str, "special_ids": dict, "media": dict, "training": dict}
+_JSON_NAMES = {str: "string", list: "list", dict: "object", int: "number", float: "number", bool: "boolean",
+               type(None): "null"}
 
 
 def has_tokenizer(folder: str | os.PathLike) -> bool:

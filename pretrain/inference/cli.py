@@ -26,7 +26,7 @@ def _set_threads(n: int | None, *, tune: bool = True) -> None:
 def _eval(args) -> int:
     import torch
 
-    from .evaluate import describe_gap, evaluate
+    from .evaluate import describe_gap, evaluate, json_safe
     from .load import open_model
 
     _set_threads(args.threads)
@@ -40,7 +40,15 @@ def _eval(args) -> int:
         result["captions"] = caption_benchmark(model, tok, args.data, max_docs=args.max_docs, probes=not args.no_probes)
     result["model"] = str(args.model)
     result["data"] = args.data
-    text = json.dumps(result, indent=2, sort_keys=True)
+    result, non_finite = json_safe(result)
+    losses = [k for k in non_finite if k.startswith("loss.")]
+    if losses:  # the model computes nothing usable: said, and no eval.json a report would read
+        raise ValueError(f"{args.model}: the loss is not finite (NaN or infinite) for {', '.join(losses[:6])}: the "
+                         "model's weights or config.json give no usable numbers" + (f"; nothing written to {args.out}" if args.out else ""))
+    if non_finite:
+        result["non_finite"] = non_finite
+        log.warning("not finite, written as null: %s", ", ".join(non_finite))
+    text = json.dumps(result, indent=2, sort_keys=True, allow_nan=False)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
@@ -57,7 +65,7 @@ def _eval(args) -> int:
     cov = result.get("block_coverage")
     if cov:
         print("B-layer coverage (dense attention mass in the selected blocks): "
-              + ", ".join(f"{k}={v:.3f}" for k, v in cov.items()))
+              + ", ".join(f"{k}=n/a" if v is None else f"{k}={v:.3f}" for k, v in cov.items()))
     if "captions" in result:
         from .captions import format_captions
 

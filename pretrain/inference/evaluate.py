@@ -38,6 +38,8 @@ import torch.nn.functional as F
 
 from omniloom.pretrain.runtime.threads import tuned
 
+from .load import DEFAULT_CONTEXT
+
 log = logging.getLogger(__name__)
 
 MODALITY_NAMES = ("text", "code", "image", "video", "special")
@@ -216,7 +218,7 @@ def evaluate(model, tokenizer, data: str | list[str], *, max_docs: int | None = 
 
     if max_docs is not None and max_docs < 1:
         raise ValueError("--max-docs must be >= 1")
-    max_len = max_len or 8192
+    max_len = max_len or DEFAULT_CONTEXT
     sets = _resolve_sources(data)
     available = sum(s.num_samples for s in sets)
     total = min(available, max_docs) if max_docs else available
@@ -412,3 +414,17 @@ def describe_gap(value: float | None, detail: dict | None) -> str:
 
 def _ppl(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf")
+
+
+def json_safe(value, path: str = "") -> tuple[object, list[str]]:
+    """(a copy of `value` with every NaN or infinity replaced by None, the dotted keys of those
+    values). JSON has no NaN: json.dumps would write `NaN`, which no strict reader accepts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, [path]
+    if isinstance(value, dict):
+        items = [(k, json_safe(v, f"{path}.{k}" if path else str(k))) for k, v in value.items()]
+        return {k: v for k, (v, _) in items}, [p for _, (_, bad) in items for p in bad]
+    if isinstance(value, (list, tuple)):
+        items = [json_safe(v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value)]
+        return [v for v, _ in items], [p for _, bad in items for p in bad]
+    return value, []

@@ -277,9 +277,10 @@ def generate_from_export(model_dir: str | Path, prompt: str = "", *, image: str 
     build the prompt, generate; returns (text, Generation)."""
     from omniloom.model.pretrained import load_pretrained
 
-    from .load import load_export_tokenizer
+    from .load import check_visual_blocks_fit, load_export_tokenizer
 
     tok = load_export_tokenizer(model_dir, tokenizer)  # reads config.json first: a folder that is no export says so
+    check_visual_blocks_fit(tok, model_dir, image=image is not None, video=video is not None)  # before decoding
     media = {}
     for name, path in (("image", image), ("video", video)):
         if path is not None:

@@ -25,16 +25,19 @@ IGNORED = frozenset({"backend", "kernels", "expert_parallel", "dispatch"})  # ho
 
 
 def check_init_from(path: str) -> Path | None:
-    """The export folder of train.init_from, checked before any setup (None when unset)."""
+    """The export folder of train.init_from, checked before any setup (None when unset): its
+    config.json, and its safetensors headers (dtypes, the shard index; no tensor data is read)."""
     if not path:
         return None
-    from omniloom.model.pretrained import read_export_config
+    from omniloom.model.pretrained import read_export_config, read_safetensors_shapes
 
     from .adapter import adapter_base, is_adapter
 
     folder = Path(path)
     try:
-        read_export_config(adapter_base(folder) if is_adapter(folder) else folder)
+        base = adapter_base(folder) if is_adapter(folder) else folder
+        read_export_config(base)
+        read_safetensors_shapes(base)
     except (FileNotFoundError, ValueError) as err:
         raise ValueError(f"train.init_from={path}: {err}") from err
     return folder
@@ -57,7 +60,12 @@ def load_init_weights(model, folder: Path, run_cfg, *, expert_range: tuple[int, 
     info = read_export_config(folder)
     full = dataclasses.replace(run_cfg.model, moe=dataclasses.replace(run_cfg.model.moe, expert_parallel=1))
     try:
-        check_config_against_shapes(full, read_safetensors_shapes(folder), folder)
+        shapes = read_safetensors_shapes(folder)
+        exported = model_config_from_dict(info.get("model") or {})
+    except ValueError as err:  # the export itself is broken, whatever this run's model
+        raise ValueError(f"train.init_from={folder}: {err}") from err
+    try:
+        check_config_against_shapes(full, shapes, folder)
     except ValueError as err:
         raise ValueError(f"train.init_from={folder}: its weights do not fit this run's model: {err}") from err
     want = (info.get("tokenizer") or {}).get("model_sha256")
@@ -69,7 +77,6 @@ def load_init_weights(model, folder: Path, run_cfg, *, expert_range: tuple[int, 
             raise ValueError(f"train.init_from={folder} was trained with another tokenizer than data.tokenizer="
                              f"{run_cfg.data.tokenizer} (tokenizer.model sha256 {want[:12]}... vs {have[:12]}...): the "
                              "ids would mean other tokens; use the export's tokenizer")
-    exported = model_config_from_dict(info.get("model") or {})
     from omniloom.pretrain.config.run import config_differences, refuse_position_changes
 
     refuse_position_changes(exported, full, f"train.init_from={folder}")  # no weight's shape shows them
