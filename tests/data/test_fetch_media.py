@@ -1,0 +1,211 @@
+"""`omniloom data build --fetch-media` (issue 40): media by http(s) URL in OBELICS and MMC4 JSONL,
+the omniloom schema and `url` + `caption` parquet, fetched from a server on 127.0.0.1 that the
+test starts (tests/data/conftest.py `route_server`; proxies cleared by `no_proxy`).
+
+Each URL kind ends as documented (docs/data-format.md, "Media by URL"): 200, 404, 500 then 200,
+429 with Retry-After, a response slower than --fetch-timeout, a body above the limit (declared,
+and undeclared: enforced while reading), a redirect loop, bytes that are not an image, and an
+`X-Robots-Tag: noai` header. The server counts requests: a rebuild fetches nothing, a SIGKILLed
+build resumes without fetching twice, and the shards are byte-identical whoever fetched them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pytest
+
+from omniloom.data.manifest import iter_documents, read_manifest
+from omniloom.data.prep.fetch import FetchOptions, robots_opt_out, user_agent
+from omniloom.data.prep.media import MediaLimits
+from omniloom.data.prep.shards import build
+from omniloom.data.prep.units import IngestSettings
+
+CAP = 8192  # --max-image-bytes of these builds
+FAST = dict(timeout=0.3, retries=1, backoff=0.05, max_wait=2.0)
+
+
+def _png(seed: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _video() -> bytes:
+    from omniloom.tokenizers.testing import make_video_bytes
+
+    return make_video_bytes(seconds=0.4, fps=10, width=32, height=32)
+
+
+@pytest.fixture
+def routes(http_reply):
+    """The URL kinds of the issue, by path."""
+    r = http_reply
+
+    def ok(seed, headers=()):
+        return lambda h, n: r(h, 200, _png(seed), [("Content-Type", "image/png"), *headers])
+
+    def flaky(h, n):
+        return r(h, 500, b"oops") if n == 1 else r(h, 200, _png(3), [("Content-Type", "image/png")])
+
+    def busy(h, n):
+        return r(h, 429, b"slow down", [("Retry-After", "1")]) if n == 1 else r(h, 200, _png(4), [("Content-Type", "image/png")])
+
+    def slow(h, n):
+        time.sleep(1.0)
+        r(h, 200, _png(5))
+
+    return {
+        "/ok1.png": ok(1), "/ok2.png": ok(2), "/flaky.png": flaky, "/busy.png": busy, "/slow.png": slow,
+        "/big.png": lambda h, n: r(h, 200, b"\x89PNG" + bytes(3 * CAP), [("Content-Type", "image/png")]),
+        "/big-nolen.png": lambda h, n: r(h, 200, b"\x89PNG" + bytes(3 * CAP), [("Content-Type", "image/png")], length=False),
+        "/loop1": lambda h, n: r(h, 302, headers=[("Location", "/loop2")]),
+        "/loop2": lambda h, n: r(h, 302, headers=[("Location", "/loop1")]),
+        "/moved.png": lambda h, n: r(h, 301, headers=[("Location", "/ok2.png")]),
+        "/page.png": lambda h, n: r(h, 200, b"<html><body>not an image</body></html>", [("Content-Type", "image/png")]),
+        "/noai.png": ok(6, [("X-Robots-Tag", "noai")]),
+        "/clip.mp4": lambda h, n: r(h, 200, _video(), [("Content-Type", "video/mp4")]),
+    }
+
+
+def _settings(**kw) -> IngestSettings:
+    return IngestSettings(limits=MediaLimits(max_image_bytes=CAP), **kw)
+
+
+def _rejects(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+
+
+def _count(requests, path: str) -> int:
+    return sum(1 for p, _, _ in requests if p == path)
+
+
+def test_obelics_each_url_kind_ends_as_documented_and_a_rebuild_fetches_nothing(tmp_path, route_server, routes, no_proxy):
+    with route_server(routes) as (base, requests):
+        u = lambda p: base + p  # noqa: E731
+        docs = [
+            {"texts": ["intro", None, "mid", None, "after", None, "end", None],
+             "images": [None, u("/ok1.png"), None, u("/missing.png"), None, u("/flaky.png"), None, u("/busy.png")], "url": "https://page/1"},
+            {"texts": ["a", None, "b", None, "c", None, "d", None, "e", None, "f", None, "g", None],
+             "images": [None, u("/slow.png"), None, u("/big.png"), None, u("/big-nolen.png"), None, u("/loop1"), None, u("/page.png"),
+                        None, u("/noai.png"), None, u("/moved.png")]},
+            {"schema": 1, "segments": [{"type": "text", "text": "a clip:"}, {"type": "video", "path": u("/clip.mp4")}]},
+        ]
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "obelics.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+        cache = tmp_path / "cache"
+        opts = FetchOptions(workers=4, cache=str(cache), **FAST)
+        summary = build([str(src)], str(tmp_path / "a"), progress=False, ingest=_settings(), fetch=opts)
+
+        # each URL ends as the issue asks; the documents keep their other segments
+        got = {r["ref"].removeprefix(base): r["code"] for r in _rejects(tmp_path / "a")}
+        assert got == {"/missing.png": "http-404", "/slow.png": "timeout", "/big.png": "too-large", "/big-nolen.png": "too-large",
+                       "/loop1": "redirect-loop", "/page.png": "not-an-image", "/noai.png": "opted-out"}
+        assert all(r["action"] == "dropped-segment" for r in _rejects(tmp_path / "a"))
+        by_text = {d["segments"][0]["text"]: d for _, d, _ in iter_documents(tmp_path / "a")}
+        assert [s["type"] for s in by_text["intro"]["segments"]] == ["text", "image", "text", "text", "image", "text", "image"]
+        assert [s.get("text") for s in by_text["a"]["segments"]] == ["a", "b", "c", "d", "e", "f", "g", None]
+        assert [s["type"] for s in by_text["a clip:"]["segments"]] == ["text", "video"]
+        media = by_text["a"]["meta"]["media"]
+        assert [m["url"] for m in media.values()] == [u("/moved.png")]  # the URL given, whatever it redirected to
+        assert summary["segments"]["image"] == 4 and summary["segments"]["video"] == 1
+        assert summary["rejects"] == {"http-404": 1, "not-an-image": 1, "opted-out": 1, "redirect-loop": 1, "timeout": 1, "too-large": 2}
+        fig = summary["fetch"]
+        assert fig["fetched"] == 6 and fig["cached"] == 0 and sum(fig["failed"].values()) == 6 and fig["bytes"] > 0
+
+        # retries: 500 then 200, 429 waited its Retry-After, the timeout tried 1 + --fetch-retries times; the rest once
+        counts = {p: _count(requests, p) for p in routes} | {"/missing.png": _count(requests, "/missing.png")}
+        assert counts == {"/ok1.png": 1, "/ok2.png": 1, "/flaky.png": 2, "/busy.png": 2, "/slow.png": 2, "/big.png": 1,
+                          "/big-nolen.png": 1, "/loop1": 1, "/loop2": 1, "/moved.png": 1, "/page.png": 1, "/noai.png": 1,
+                          "/clip.mp4": 1, "/missing.png": 1}
+        busy = [t for p, _, t in requests if p == "/busy.png"]
+        assert busy[1] - busy[0] >= 0.95
+        assert {h["User-Agent"] for _, h, _ in requests} == {user_agent()} and user_agent().startswith("omniloom/")
+
+        # a rebuild from the same cache (2 workers, other fetch workers) fetches nothing and writes the same bytes
+        before = len(requests)
+        again = build([str(src)], str(tmp_path / "b"), progress=False, workers=2, ingest=_settings(), fetch=FetchOptions(workers=1, cache=str(cache)))
+        assert len(requests) == before and again["fetch"]["fetched"] == 0 and again["fetch"]["cached"] == 12
+        for name in ("data-000000.tar", "manifest.json", "rejects.jsonl"):
+            assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+        # --fetch-ignore-robots-tag asks the opted-out URL again and keeps it; --fetch-retry-transient the timeout
+        ignore = build([str(src)], str(tmp_path / "c"), progress=False, ingest=_settings(),
+                       fetch=FetchOptions(cache=str(cache), honour_robots=False, retry_transient=True, **FAST))
+        assert len(requests) == before + 1 + 2 and _count(requests, "/noai.png") == 2
+        assert "opted-out" not in ignore["rejects"] and ignore["rejects"]["timeout"] == 1
+        assert read_manifest(tmp_path / "c")["settings"]["fetch_media"] == {"x_robots_tag": "ignore"}
+        assert read_manifest(tmp_path / "a")["settings"]["fetch_media"] == {"x_robots_tag": "honour"}
+
+
+def test_mmc4_images_go_before_their_sentence(tmp_path, route_server, routes, no_proxy):
+    with route_server(routes) as (base, requests):
+        rec = {"url": "https://page", "text_list": ["First.", "Second.", "Third."],
+               "image_info": [{"raw_url": base + "/ok1.png", "matched_text_index": 1, "matched_sim": 0.3},
+                              {"raw_url": base + "/missing.png", "matched_text_index": 0, "matched_sim": 0.2}]}
+        (tmp_path / "mmc4.jsonl").write_text(json.dumps(rec) + "\n")
+        summary = build([str(tmp_path / "mmc4.jsonl")], str(tmp_path / "out"), progress=False, ingest=_settings(),
+                        fetch=FetchOptions(**FAST))
+    [(_, doc, members)] = list(iter_documents(tmp_path / "out"))
+    assert [(s["type"], s.get("text")) for s in doc["segments"]] == [("text", "First."), ("image", None), ("text", "Second. Third.")]
+    assert doc["meta"]["image_info"][0]["matched_sim"] == 0.3 and doc["meta"]["url"] == "https://page"
+    assert summary["rejects"] == {"http-404": 1}
+    assert (tmp_path / "out" / ".fetch-cache").is_dir()  # the default cache lives in --out
+
+
+def test_parquet_url_caption_rows(tmp_path, route_server, routes, no_proxy):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with route_server(routes) as (base, requests):
+        paths = ["/ok1.png", "/missing.png", "/clip.mp4", "/noai.png", "/page.png", "/ok2.png"]
+        pq.write_table(pa.table({"URL": [base + p for p in paths], "caption": [f"caption {i}" for i in range(len(paths))],
+                                 "similarity": [0.1 * i for i in range(len(paths))]}), tmp_path / "laion.parquet")
+        summary = build([str(tmp_path / "laion.parquet")], str(tmp_path / "out"), progress=False, ingest=_settings(),
+                        fetch=FetchOptions(**FAST))
+        without = build([str(tmp_path / "laion.parquet")], str(tmp_path / "plain"), progress=False, ingest=_settings())
+    docs = {d["segments"][-1]["text"]: d for _, d, _ in iter_documents(tmp_path / "out")}
+    assert sorted(docs) == ["caption 0", "caption 2", "caption 5"]
+    assert [s["type"] for s in docs["caption 2"]["segments"]] == ["video", "text"]
+    assert [s["type"] for s in docs["caption 0"]["segments"]] == ["image", "text"] and docs["caption 0"]["meta"]["similarity"] == 0.0
+    assert summary["rejects"] == {"http-404": 1, "not-an-image": 1, "opted-out": 1}
+    assert {r["action"] for r in _rejects(tmp_path / "out")} == {"dropped-doc"}  # a pair's medium is its point
+    # without --fetch-media the file reads as before: captions with their URL in meta, nothing fetched
+    assert without["segments"]["image"] == 0 and without["documents"] == len(paths) and "fetch" not in without
+
+
+def test_killed_build_resumes_without_fetching_twice(tmp_path, route_server, http_reply, check_kill_and_resume, no_proxy):
+    routes = {f"/{i}.png": (lambda i: lambda h, n: http_reply(h, 200, _png(10 + i)))(i) for i in range(10)}
+    with route_server(routes) as (base, requests):
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "docs.jsonl").write_text("".join(json.dumps({"texts": [f"doc {i}", None], "images": [None, f"{base}/{i}.png"]}) + "\n"
+                                                for i in range(10)))
+        check_kill_and_resume(src, always=("--fetch-media", "--fetch-workers", "2"))
+        # the whole build and the killed + resumed one (each with its cache in its --out) fetched each URL once
+        assert sorted(p for p, _, _ in requests) == sorted([f"/{i}.png" for i in range(10)] * 2)
+
+
+@pytest.mark.parametrize("values, opted", [
+    (["noai"], ["noai"]), (["noimageai, nofollow"], ["noimageai"]), (["noindex"], ["noindex"]), (["omniloom: noimageindex"], ["noimageindex"]),
+    (["otherbot: noai"], []), (["none"], []), (["nofollow", "googlebot: noindex"], []), ([], []),
+])
+def test_x_robots_tag_rule_is_img2dataset_s(values, opted):
+    assert robots_opt_out(values) == opted
+
+
+def test_build_help_explains_the_flags(capsys):
+    from omniloom.data.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["build", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--fetch-media", "--fetch-workers", "--fetch-timeout", "--fetch-retries", "--fetch-cache", "--fetch-ignore-robots-tag",
+                 "--fetch-retry-transient", "media by URL", "X-Robots-Tag", "redirect-loop"):
+        assert flag in out, flag
