@@ -252,7 +252,14 @@ def register_bench(bench_sub) -> None:
                    "text file) against reading the same rows with pyarrow alone (images decoded with PIL), in the same run")
     p.add_argument("--index", action="store_true", help="instead: `data index` s/shard against `tar -tf`, and loader samples/s on "
                    "the indexed shards against webdataset (decode rgb8), 1 worker each, in the same run")
-    p.add_argument("--samples", type=int, default=600, help="with --foreign / --parquet / --index: image samples (rows) to generate (default 600)")
+    p.add_argument("--fetch", action="store_true", help="instead: images/s `data build --fetch-media` gets from a local HTTP server "
+                   "(url + caption parquet) against img2dataset on the same URLs at the same concurrency, in the same run")
+    p.add_argument("--img2dataset", default="", metavar="PATH", help="with --fetch: img2dataset's executable (from its own venv: it "
+                   "pins webdataset<0.3); without it that half is skipped")
+    p.add_argument("--fetch-workers", type=int, default=16, help="with --fetch: requests in flight for both (default 16)")
+    p.add_argument("--latency-ms", type=float, default=10.0, help="with --fetch: the server answers after this long (default 10)")
+    p.add_argument("--repeats", type=int, default=3, help="with --fetch: alternating rounds (default 3)")
+    p.add_argument("--samples", type=int, default=600, help="with --foreign / --parquet / --index / --fetch: image samples (rows) to generate (default 600)")
     p.add_argument("--records", type=int, default=20000, help="with --foreign / --parquet: text records (rows) to generate (default 20000)")
     p.set_defaults(func=_bench)
     from .stream import stream_bench
@@ -434,6 +441,12 @@ def _bench(args) -> int:
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     if not workers or min(workers) < 1:
         raise ValueError(f"--workers must be a comma-separated list of positive ints, got {args.workers!r}")
+    if args.fetch:
+        from omniloom.data.prep.fetch_bench import run_fetch_bench
+
+        print(run_fetch_bench(images=args.samples, image_size=args.image_size, workers=args.fetch_workers, latency_ms=args.latency_ms,
+                              repeats=args.repeats, img2dataset=args.img2dataset, keep=args.keep))
+        return 0
     if args.parquet:
         from omniloom.data.prep.parquet_bench import run_parquet_bench
 
