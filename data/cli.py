@@ -445,7 +445,7 @@ def _bench(args) -> int:
         from omniloom.data.prep.fetch_bench import run_fetch_bench
 
         print(run_fetch_bench(images=args.samples, image_size=args.image_size, workers=args.fetch_workers, latency_ms=args.latency_ms,
-                              repeats=args.repeats, img2dataset=args.img2dataset, keep=args.keep))
+                              repeats=args.repeats, img2dataset=args.img2dataset, keep=args.keep, build_workers=workers[0]))
         return 0
     if args.parquet:
         from omniloom.data.prep.parquet_bench import run_parquet_bench

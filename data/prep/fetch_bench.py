@@ -4,8 +4,10 @@ run (rounds alternate; each round starts from an empty cache and output).
 
 The server answers every request after `latency_ms` (a stand-in for a remote host's round trip;
 0 measures the clients' own cost). The URL list is a `url` + `caption` parquet of `images` distinct
-JPEGs. omniloom's figures: the whole build (discovery, fetch, decode-validate every image, write
-the shards) and its fetch span alone (first request to last answer). img2dataset's: its own
+JPEGs. omniloom's figures: its fetcher alone on the list (`fetch.Fetcher`, the same pool and cache
+the build uses: every URL submitted, first request to last answer), and the whole build
+(discovery, fetch, decode-validate every image, write the shards; `--workers` decode processes,
+first value, default 1). img2dataset's: its own
 `NNNNN_stats.json` duration (download and write, no re-encoding: `--disable_all_reencoding`, one
 process, `--thread_count` = --fetch-workers), so neither side counts its interpreter's start-up.
 img2dataset cannot live in omniloom's environment (it pins webdataset<0.3 and pandas<3): give its
@@ -40,9 +42,11 @@ def _serve(folder: str, latency: float):
         def log_message(self, *args):
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    srv.request_queue_size = 256
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 1024  # listen()'s backlog: at the default 5, concurrent connects wait out a SYN retry (1 s)
+
+    srv = Server(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
     return srv, f"http://127.0.0.1:{srv.server_port}"
 
@@ -85,12 +89,13 @@ def _run_img2dataset(exe: str, urls: str, out: str, workers: int, n: int) -> tup
 
 
 def run_fetch_bench(*, images: int = 400, image_size: int = 64, workers: int = 16, latency_ms: float = 10.0, repeats: int = 3,
-                    img2dataset: str = "", keep: str | None = None) -> str:
+                    img2dataset: str = "", keep: str | None = None, build_workers: int = 1) -> str:
     """Run the comparison and return the report (one line per round, then the medians)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from .fetch import FetchOptions
+    from .fetch import Fetcher, FetchOptions
+    from .media import MediaLimits
     from .shards import build
 
     root = keep or tempfile.mkdtemp(prefix="omniloom-fetch-bench-")
@@ -107,15 +112,22 @@ def run_fetch_bench(*, images: int = 400, image_size: int = 64, workers: int = 1
             raise FileNotFoundError(f"--img2dataset {img2dataset}: no such executable")
         build_rate, fetch_rate, i2d_rate = [], [], []
         for r in range(repeats):
+            fetcher = Fetcher(FetchOptions(workers=workers), os.path.join(root, f"fetch-only-{r}"), MediaLimits())
+            t0 = time.perf_counter()
+            answers = [f.result() for f in [fetcher.submit(f"{base}/img/{i}.jpg", "image") for i in range(images)]]
+            fsecs = time.perf_counter() - t0
+            fetcher.close()
+            fetched = sum(a[0] == "ok" for a in answers)
+            fetch_rate.append(fetched / fsecs)
             out = os.path.join(root, f"omniloom-{r}")
             t0 = time.perf_counter()
-            s = build([urls], out, progress=False, fetch=FetchOptions(workers=workers, cache=os.path.join(root, f"cache-{r}")))
+            s = build([urls], out, progress=False, workers=build_workers,
+                      fetch=FetchOptions(workers=workers, cache=os.path.join(root, f"cache-{r}")))
             secs = time.perf_counter() - t0
             got = s["segments"]["image"]
             build_rate.append(got / secs)
-            fetch_rate.append(s["fetch"]["per_second"])
-            row = (f"round {r + 1}: omniloom build --fetch-media {got}/{images} images in {secs:.2f}s = {build_rate[-1]:.0f} images/s "
-                   f"(fetch span {s['fetch']['seconds']:.2f}s = {fetch_rate[-1]:.0f} images/s)")
+            row = (f"round {r + 1}: omniloom fetcher {fetched}/{images} in {fsecs:.2f}s = {fetch_rate[-1]:.0f} images/s; "
+                   f"build --fetch-media {got}/{images} images in {secs:.2f}s = {build_rate[-1]:.0f} images/s")
             if exe:
                 n, i2d_secs = _run_img2dataset(exe, urls, os.path.join(root, f"img2dataset-{r}"), workers, images)
                 i2d_rate.append(n / i2d_secs)
@@ -123,12 +135,12 @@ def run_fetch_bench(*, images: int = 400, image_size: int = 64, workers: int = 1
             lines.append(row)
         med = statistics.median
         head = (f"{images} JPEGs of {image_size}px ({nbytes / 1e6:.1f} MB) from 127.0.0.1, {latency_ms:g} ms per answer, "
-                f"{workers} requests in flight, {repeats} rounds")
-        summary = f"median: omniloom build {med(build_rate):.0f} images/s, fetch span {med(fetch_rate):.0f} images/s"
+                f"{workers} requests in flight, build with {build_workers} decode worker(s), {repeats} rounds")
+        summary = f"median: omniloom fetcher {med(fetch_rate):.0f} images/s, build --fetch-media {med(build_rate):.0f} images/s"
         if i2d_rate:
-            summary += (f"; img2dataset {med(i2d_rate):.0f} images/s; omniloom build / img2dataset = "
-                        f"{med(b / i for b, i in zip(build_rate, i2d_rate)):.2f}x, fetch span / img2dataset = "
-                        f"{med(f / i for f, i in zip(fetch_rate, i2d_rate)):.2f}x (per-round ratios)")
+            summary += (f"; img2dataset {med(i2d_rate):.0f} images/s; fetcher / img2dataset = "
+                        f"{med([f / i for f, i in zip(fetch_rate, i2d_rate)]):.2f}x, build / img2dataset = "
+                        f"{med([b / i for b, i in zip(build_rate, i2d_rate)]):.2f}x (medians of per-round ratios)")
         else:
             summary += "; img2dataset skipped: pass --img2dataset PATH (its executable, installed in a separate venv: " \
                        "python3 -m venv /tmp/i2d && /tmp/i2d/bin/pip install img2dataset)"

@@ -183,6 +183,7 @@ def reply(handler, status: int, body: bytes = b"", headers=(), *, length: bool =
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # listen()'s backlog: at the default 5, concurrent connects wait out a SYN retry (1 s)
 
     def handle_error(self, request, client_address):  # a client that timed out and closed: expected in these tests
         pass
