@@ -28,11 +28,13 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 
 from omniloom.data.manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir, read_manifest, write_json_atomic
 from omniloom.data.outlock import OutputLock
 from omniloom.data.progress import bar_wanted, hms
 
+from .fetch import CACHE_DIR, FetchFiller, Fetcher
 from .foreign import is_remote
 from .ingest import discover, process_unit
 from .units import IngestSettings, Unit
@@ -129,8 +131,6 @@ def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, c
 
     filler = ParquetFiller(settings, PayloadFiller(settings))  # compressed inputs and parquet row groups are read here, once
     if fetcher is not None:
-        from .fetch import FetchFiller
-
         filler = FetchFiller(filler, units, fetcher, settings)
     if workers <= 1:
         try:
@@ -236,6 +236,8 @@ def build(
     --fetch-media): media given by http(s) URL are downloaded (into `fetch.cache`, default
     OUT/.fetch-cache) and built like local media; the summary's `fetch` holds the figures."""
     ingest = ingest or IngestSettings()
+    if fetch is not None:
+        ingest = replace(ingest, fetch_media=True)  # parquet url columns are media (parquet.plan_columns)
     if not _NAME_RE.match(name):
         raise ValueError(f"--name must use letters, digits, '-' and '_' only, got {name!r}")
     if shard_max_docs < 1 or shard_max_bytes < 64 * 1024:
@@ -254,12 +256,7 @@ def build(
 
 def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_max_bytes, dedup, ingest,
                   standalone_referenced, overwrite, progress, progress_seconds, include_hidden, shuffle, fetch, t0) -> dict:
-    from dataclasses import replace
 
-    from .fetch import CACHE_DIR
-
-    if fetch is not None:
-        ingest = replace(ingest, fetch_media=True)
     settings = {
         "sources": [printable(s if is_remote(s) else os.path.normpath(s)) for s in sources],  # a URL keeps its '//'
         "name": name,
@@ -273,7 +270,7 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
         **ingest.to_dict(),
         **({"fetch_media": fetch.settings()} if fetch is not None else {}),  # absent without --fetch-media: older builds resume
     }
-    cache = (fetch.cache or os.path.join(out, CACHE_DIR)) if fetch is not None else ""
+    cache = (fetch.cache or os.path.join(out, CACHE_DIR)) if fetch is not None else ""  # discovery leaves it out
     skipped = Counter()
     units = discover(sources, exclude=[out, *([cache] if cache else [])], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes,
                      undeclared_encoding=ingest.text.undeclared_encoding, include_hidden=include_hidden, skipped=skipped,
@@ -333,11 +330,7 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
     writer: DeterministicTarWriter | None = None
     bar = _Progress(len(units) - start, enabled=progress, every=progress_seconds)
     pause = float(os.environ.get(_PAUSE_ENV, "0") or 0)
-    fetcher = None
-    if fetch is not None:
-        from .fetch import Fetcher
-
-        fetcher = Fetcher(fetch, cache, ingest.limits)
+    fetcher = Fetcher(fetch, cache, ingest.limits) if fetch is not None else None
     try:
         for i, res in enumerate(iter_results(units[start:], ingest, workers, fetcher=fetcher), start=start):
             bar.update(res)

@@ -144,19 +144,28 @@ def test_obelics_each_url_kind_ends_as_documented_and_a_rebuild_fetches_nothing(
         assert read_manifest(tmp_path / "a")["settings"]["fetch_media"] == {"x_robots_tag": "honour"}
 
 
-def test_mmc4_images_go_before_their_sentence(tmp_path, route_server, routes, no_proxy):
+def test_mmc4_images_go_before_their_sentence(tmp_path, route_server, routes, no_proxy, capsys):
+    from omniloom.data.cli import main
+
     with route_server(routes) as (base, requests):
         rec = {"url": "https://page", "text_list": ["First.", "Second.", "Third."],
                "image_info": [{"raw_url": base + "/ok1.png", "matched_text_index": 1, "matched_sim": 0.3},
                               {"raw_url": base + "/missing.png", "matched_text_index": 0, "matched_sim": 0.2}]}
         (tmp_path / "mmc4.jsonl").write_text(json.dumps(rec) + "\n")
-        summary = build([str(tmp_path / "mmc4.jsonl")], str(tmp_path / "out"), progress=False, ingest=_settings(),
-                        fetch=FetchOptions(**FAST))
-    [(_, doc, members)] = list(iter_documents(tmp_path / "out"))
+        out = tmp_path / "out"
+        assert main(["build", str(tmp_path / "mmc4.jsonl"), "--out", str(out), "--fetch-media", "--fetch-timeout", "2"]) == 0
+    [(_, doc, members)] = list(iter_documents(out))
     assert [(s["type"], s.get("text")) for s in doc["segments"]] == [("text", "First."), ("image", None), ("text", "Second. Third.")]
     assert doc["meta"]["image_info"][0]["matched_sim"] == 0.3 and doc["meta"]["url"] == "https://page"
-    assert summary["rejects"] == {"http-404": 1}
-    assert (tmp_path / "out" / ".fetch-cache").is_dir()  # the default cache lives in --out
+    printed = capsys.readouterr().out
+    assert "rejected: 1 (http-404 1)" in printed
+    assert "fetch: 1 URLs fetched" in printed and "0 from the cache, 1 failed (http-404 1)" in printed
+    assert (out / ".fetch-cache").is_dir()  # the default cache lives in --out
+    assert main(["fetch-stats", str(out)]) == 0
+    assert "2 URLs: 1 fetched" in capsys.readouterr().out
+    # without --fetch-media a URL stays a remote-ref reject whose reason names the flag
+    assert main(["build", str(tmp_path / "mmc4.jsonl"), "--out", str(tmp_path / "plain"), "--allow-dropped-media"]) == 0
+    assert {r["code"] for r in _rejects(tmp_path / "plain")} == {"remote-ref"} and "--fetch-media" in _rejects(tmp_path / "plain")[0]["reason"]
 
 
 def test_parquet_url_caption_rows(tmp_path, route_server, routes, no_proxy):
