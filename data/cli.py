@@ -85,7 +85,7 @@ media by URL (--fetch-media): fetched by --fetch-workers threads ahead of the de
   body is refused past --max-image-bytes / --max-video-bytes (Content-Length first, then while read);
   at most 5 redirects, a loop is a reject; X-Robots-Tag noai/noimageai/noindex/noimageindex (for all
   agents or "omniloom:") opts out, as img2dataset decides (--fetch-ignore-robots-tag). User-Agent:
-  omniloom/VERSION. Every answer, failures too, is cached by URL hash in --fetch-cache (default
+  omniloom/VERSION. Every answer, failures too, is cached by URL in --fetch-cache (default
   DIR/.fetch-cache; --overwrite keeps it): a rerun or a resumed build fetches nothing twice;
   --fetch-retry-transient asks cached timeouts / 5xx / 429 / connection errors again. A failed URL
   is a reject line (http-404, http-500, http-429, timeout, connection-error, too-large,
@@ -175,7 +175,7 @@ def register(sub) -> None:
                    "bytes before a try counts as a timeout (default 10)")
     f.add_argument("--fetch-retries", type=int, default=3, metavar="N", help="more tries after a 429, 5xx, timeout or broken "
                    "connection, waiting 0.5s, 1s, 2s, ... or what Retry-After asks (capped at 30s) (default 3)")
-    f.add_argument("--fetch-cache", default="", metavar="DIR", help="where fetched bodies and failures are kept by URL hash "
+    f.add_argument("--fetch-cache", default="", metavar="DIR", help="where fetched bodies and failures are kept by URL "
                    "(default: OUT/.fetch-cache); share it between builds so no URL is fetched twice")
     f.add_argument("--fetch-ignore-robots-tag", action="store_true", help="fetch media whose X-Robots-Tag says noai, noimageai, "
                    "noindex or noimageindex (by default they are opted-out rejects, img2dataset's rule)")

@@ -144,6 +144,8 @@ def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, c
         return ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(settings,))
 
     ex = new_pool()
+    if fetcher is not None:
+        ex.submit(int).result()  # the workers are forked now, before the fetch threads start
     pending: deque = deque()  # (units with their payloads, future)
     pos = 0
     try:

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from omniloom.data.manifest import iter_documents, read_manifest
-from omniloom.data.prep.fetch import FetchOptions, robots_opt_out, user_agent
+from omniloom.data.prep.fetch import FetchOptions, cache_stats, robots_opt_out, user_agent
 from omniloom.data.prep.media import MediaLimits
 from omniloom.data.prep.shards import build
 from omniloom.data.prep.units import IngestSettings
@@ -118,6 +118,9 @@ def test_obelics_each_url_kind_ends_as_documented_and_a_rebuild_fetches_nothing(
         assert summary["rejects"] == {"http-404": 1, "not-an-image": 1, "opted-out": 1, "redirect-loop": 1, "timeout": 1, "too-large": 2}
         fig = summary["fetch"]
         assert fig["fetched"] == 6 and fig["cached"] == 0 and sum(fig["failed"].values()) == 6 and fig["bytes"] > 0
+        held = cache_stats(str(cache))  # `omniloom data fetch-stats`: every answer is cached, failures too
+        assert held["ok"] == 6 and held["transient"] == 1 and held["bytes"] == fig["bytes"]
+        assert held["failed"] == {"http-404": 1, "opted-out": 1, "redirect-loop": 1, "timeout": 1, "too-large": 2}
 
         # retries: 500 then 200, 429 waited its Retry-After, the timeout tried 1 + --fetch-retries times; the rest once
         counts = {p: _count(requests, p) for p in routes} | {"/missing.png": _count(requests, "/missing.png")}
