@@ -70,8 +70,8 @@ def user_agent() -> str:
         urls = [u.split(",", 1)[-1].strip() for u in (md.get_all("Project-URL") or [])] + [md.get("Home-page") or ""]
     except PackageNotFoundError:
         version, urls = "0+unknown", []
-    home = next((u for u in urls if u and u != "UNKNOWN"), "omniloom data build --fetch-media")
-    return f"{UA_TOKEN}/{version} (+{home}; compatible; {UA_TOKEN})"
+    home = next((u for u in urls if u and u != "UNKNOWN"), "")
+    return f"{UA_TOKEN}/{version} ({f'+{home}' if home else 'omniloom data build --fetch-media'}; compatible; {UA_TOKEN})"
 
 
 def robots_opt_out(values: list[str], token: str = UA_TOKEN, directives=ROBOTS_DIRECTIVES) -> list[str]:
@@ -247,7 +247,12 @@ class Fetcher:
         if rec is not None and not self._stale(rec, limit):
             self._count("cached")
             return self._view(rec)
-        rec = self._download(url, limit)
+        try:
+            rec = self._download(url, limit)
+        except OSError:
+            raise  # the cache's disk (full, unwritable): the build stops and says so
+        except Exception as err:  # noqa: BLE001 - a bug or an exotic answer must not kill the build; not cached
+            return ("fail", "error", f"{url[:200]}: unexpected {type(err).__name__}: {err}")
         return self._view(rec)
 
     def _stale(self, rec: dict, limit: int) -> bool:
@@ -312,7 +317,7 @@ class Fetcher:
         where = url[:200]
         while True:
             self._count("requests")
-            req = urllib.request.Request(seen[-1], headers={"User-Agent": self.ua, "Accept": "image/*,video/*;q=0.9,*/*;q=0.5"})
+            req = urllib.request.Request(iri_to_uri(seen[-1]), headers={"User-Agent": self.ua, "Accept": "image/*,video/*;q=0.9,*/*;q=0.5"})
             try:
                 resp = self._opener().open(req, timeout=self.opts.timeout)
             except urllib.error.HTTPError as err:
@@ -380,6 +385,25 @@ class Fetcher:
                 "retries": c.get("retries", 0), "bytes": c.get("bytes", 0), "seconds": round(secs, 3),
                 "per_second": round(fetched / secs, 1) if secs > 0 else 0.0,
                 "mb_per_second": round(c.get("bytes", 0) / secs / 1e6, 2) if secs > 0 else 0.0, "cache": self.cache.root}
+
+
+def iri_to_uri(url: str) -> str:
+    """`url` as http.client can send it: a non-ASCII host in IDNA, other non-ASCII characters and
+    spaces percent-encoded as UTF-8 (OBELICS and LAION hold such URLs); an ASCII URL is unchanged."""
+    if url.isascii() and " " not in url:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        host = host.encode("idna").decode("ascii") if not host.isascii() else host
+    except UnicodeError:
+        pass  # left as it is: the request fails as bad-url
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    if parts.username:
+        netloc = f"{parts.username}{':' + parts.password if parts.password else ''}@{netloc}"
+    keep = "/:@!$&'()*+,;=%~?#[]"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, urllib.parse.quote(parts.path, safe=keep),
+                                    urllib.parse.quote(parts.query, safe=keep), urllib.parse.quote(parts.fragment, safe=keep)))
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -69,6 +69,7 @@ def routes(http_reply):
         "/moved.png": lambda h, n: r(h, 301, headers=[("Location", "/ok2.png")]),
         "/page.png": lambda h, n: r(h, 200, b"<html><body>not an image</body></html>", [("Content-Type", "image/png")]),
         "/noai.png": ok(6, [("X-Robots-Tag", "noai")]),
+        "/caf%C3%A9.png": ok(7),  # asked for as /café.png: percent-encoded as UTF-8
         "/clip.mp4": lambda h, n: r(h, 200, _video(), [("Content-Type", "video/mp4")]),
     }
 
@@ -123,7 +124,7 @@ def test_obelics_each_url_kind_ends_as_documented_and_a_rebuild_fetches_nothing(
         assert held["failed"] == {"http-404": 1, "opted-out": 1, "redirect-loop": 1, "timeout": 1, "too-large": 2}
 
         # retries: 500 then 200, 429 waited its Retry-After, the timeout tried 1 + --fetch-retries times; the rest once
-        counts = {p: _count(requests, p) for p in routes} | {"/missing.png": _count(requests, "/missing.png")}
+        counts = {p: _count(requests, p) for p in routes if p != "/caf%C3%A9.png"} | {"/missing.png": _count(requests, "/missing.png")}
         assert counts == {"/ok1.png": 1, "/ok2.png": 1, "/flaky.png": 2, "/busy.png": 2, "/slow.png": 2, "/big.png": 1,
                           "/big-nolen.png": 1, "/loop1": 1, "/loop2": 1, "/moved.png": 1, "/page.png": 1, "/noai.png": 1,
                           "/clip.mp4": 1, "/missing.png": 1}
@@ -176,14 +177,14 @@ def test_parquet_url_caption_rows(tmp_path, route_server, routes, no_proxy):
     import pyarrow.parquet as pq
 
     with route_server(routes) as (base, requests):
-        paths = ["/ok1.png", "/missing.png", "/clip.mp4", "/noai.png", "/page.png", "/ok2.png"]
+        paths = ["/ok1.png", "/missing.png", "/clip.mp4", "/noai.png", "/page.png", "/ok2.png", "/caf\u00e9.png"]
         pq.write_table(pa.table({"URL": [base + p for p in paths], "caption": [f"caption {i}" for i in range(len(paths))],
                                  "similarity": [0.1 * i for i in range(len(paths))]}), tmp_path / "laion.parquet")
         summary = build([str(tmp_path / "laion.parquet")], str(tmp_path / "out"), progress=False, ingest=_settings(),
                         fetch=FetchOptions(**FAST))
         without = build([str(tmp_path / "laion.parquet")], str(tmp_path / "plain"), progress=False, ingest=_settings())
     docs = {d["segments"][-1]["text"]: d for _, d, _ in iter_documents(tmp_path / "out")}
-    assert sorted(docs) == ["caption 0", "caption 2", "caption 5"]
+    assert sorted(docs) == ["caption 0", "caption 2", "caption 5", "caption 6"]
     assert [s["type"] for s in docs["caption 2"]["segments"]] == ["video", "text"]
     assert [s["type"] for s in docs["caption 0"]["segments"]] == ["image", "text"] and docs["caption 0"]["meta"]["similarity"] == 0.0
     assert summary["rejects"] == {"http-404": 1, "not-an-image": 1, "opted-out": 1}
