@@ -193,6 +193,23 @@ def test_parquet_url_caption_rows(tmp_path, route_server, routes, no_proxy):
     assert without["segments"]["image"] == 0 and without["documents"] == len(paths) and "fetch" not in without
 
 
+def test_parquet_url_lists_and_obelics_rows(tmp_path, route_server, routes, no_proxy):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with route_server(routes) as (base, requests):
+        (tmp_path / "src").mkdir()
+        pq.write_table(pa.table({"images": [[base + "/ok1.png", base + "/missing.png", base + "/ok2.png"]], "text": ["three pictures"]}),
+                       tmp_path / "src" / "lists.parquet")
+        pq.write_table(pa.table({"texts": [["before", None, "after"]], "images": [[None, base + "/ok1.png", None]]}),
+                       tmp_path / "src" / "obelics.parquet")
+        summary = build([str(tmp_path / "src")], str(tmp_path / "out"), progress=False, ingest=_settings(), fetch=FetchOptions(**FAST))
+    docs = {d["segments"][-1]["text"]: d for _, d, _ in iter_documents(tmp_path / "out")}
+    assert [s["type"] for s in docs["three pictures"]["segments"]] == ["image", "image", "text"]  # the 404 dropped, the rest kept
+    assert [s["type"] for s in docs["after"]["segments"]] == ["text", "image", "text"]
+    assert summary["rejects"] == {"http-404": 1} and summary["fetch"]["fetched"] == 2  # ok1.png asked once for both files
+
+
 def test_killed_build_resumes_without_fetching_twice(tmp_path, route_server, http_reply, check_kill_and_resume, no_proxy):
     routes = {f"/{i}.png": (lambda i: lambda h, n: http_reply(h, 200, _png(10 + i)))(i) for i in range(10)}
     with route_server(routes) as (base, requests):
