@@ -239,3 +239,11 @@ def test_build_help_explains_the_flags(capsys):
     for flag in ("--fetch-media", "--fetch-workers", "--fetch-timeout", "--fetch-retries", "--fetch-cache", "--fetch-ignore-robots-tag",
                  "--fetch-retry-transient", "media by URL", "X-Robots-Tag", "redirect-loop"):
         assert flag in out, flag
+
+
+def test_fetch_bench_prints_figures_and_says_when_img2dataset_is_skipped(no_proxy):
+    from omniloom.data.prep.fetch_bench import run_fetch_bench
+
+    report = run_fetch_bench(images=6, image_size=32, workers=2, latency_ms=0, repeats=1)
+    assert "omniloom fetcher 6/6" in report and "build --fetch-media 6/6 images" in report
+    assert "img2dataset skipped: pass --img2dataset PATH" in report
