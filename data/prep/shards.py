@@ -258,7 +258,6 @@ def build(
 
 def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_max_bytes, dedup, ingest,
                   standalone_referenced, overwrite, progress, progress_seconds, include_hidden, shuffle, fetch, t0) -> dict:
-
     settings = {
         "sources": [printable(s if is_remote(s) else os.path.normpath(s)) for s in sources],  # a URL keeps its '//'
         "name": name,
@@ -274,8 +273,9 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
     }
     cache = (fetch.cache or os.path.join(out, CACHE_DIR)) if fetch is not None else ""  # discovery leaves it out
     skipped = Counter()
-    units = discover(sources, exclude=[out, *([cache] if cache else [])], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes,
-                     undeclared_encoding=ingest.text.undeclared_encoding, include_hidden=include_hidden, skipped=skipped,
+    units = discover(sources, exclude=[out, *([cache] if cache else [])], standalone_referenced=standalone_referenced,
+                     max_text_bytes=ingest.text.max_bytes, undeclared_encoding=ingest.text.undeclared_encoding,
+                     include_hidden=include_hidden, skipped=skipped,
                      parquet_columns=(ingest.text_column, ingest.image_columns, ingest.fetch_media))
     order = None  # part builds: each unit's index in the whole input set, for dedup across parts in `merge`
     whole = None
