@@ -148,6 +148,41 @@ def test_obelics_each_url_kind_ends_as_documented_and_a_rebuild_fetches_nothing(
         assert read_manifest(tmp_path / "a")["settings"]["fetch_media"] == {"x_robots_tag": "honour"}
 
 
+KINDS = ["/ok1.png", "/missing.png", "/flaky.png", "/busy.png", "/slow.png", "/big.png", "/big-nolen.png", "/loop1", "/page.png",
+         "/noai.png", "/moved.png"]
+ENDS = {"/missing.png": "http-404", "/slow.png": "timeout", "/big.png": "too-large", "/big-nolen.png": "too-large",
+        "/loop1": "redirect-loop", "/page.png": "not-an-image", "/noai.png": "opted-out"}
+
+
+@pytest.mark.parametrize("layout", ["mmc4", "parquet"])
+def test_every_url_kind_in_the_other_layouts(layout, tmp_path, route_server, routes, no_proxy):
+    """The OBELICS test's URL kinds in an MMC4 record (one image per sentence) and a url + caption
+    parquet (one row per URL): the same ends, the same requests."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with route_server(routes) as (base, requests):
+        if layout == "mmc4":
+            src = tmp_path / "mmc4.jsonl"
+            src.write_text(json.dumps({"text_list": [f"sentence {i}." for i in range(len(KINDS))],
+                                       "image_info": [{"raw_url": base + p, "matched_text_index": i} for i, p in enumerate(KINDS)]}) + "\n")
+        else:
+            src = tmp_path / "urls.parquet"
+            pq.write_table(pa.table({"url": [base + p for p in KINDS], "caption": [f"caption {p}" for p in KINDS]}), src)
+        summary = build([str(src)], str(tmp_path / "out"), progress=False, ingest=_settings(), fetch=FetchOptions(workers=4, **FAST))
+        counts = {p: _count(requests, p) for p in KINDS}
+    if layout == "mmc4":
+        got = {r["ref"].removeprefix(base): r["code"] for r in _rejects(tmp_path / "out")}
+        [(_, doc, _)] = list(iter_documents(tmp_path / "out"))
+        assert sum(s["type"] == "image" for s in doc["segments"]) == 4 and len(doc["segments"]) == 4 + len(KINDS)  # every sentence kept
+    else:
+        got = {KINDS[int(r["path"].rsplit(":", 1)[1]) - 1]: r["code"] for r in _rejects(tmp_path / "out")}
+        assert sorted(d["segments"][-1]["text"] for _, d, _ in iter_documents(tmp_path / "out")) == sorted(
+            f"caption {p}" for p in KINDS if p not in ENDS)
+    assert got == ENDS and summary["segments"]["image"] == 4
+    assert counts == {p: 2 if p in ("/flaky.png", "/busy.png", "/slow.png") else 1 for p in KINDS}
+
+
 def test_mmc4_images_go_before_their_sentence(tmp_path, route_server, routes, no_proxy, capsys):
     from omniloom.data.cli import main
 
