@@ -48,12 +48,17 @@ inputs:
                                   lists of them ({bytes, path}) -> images, the text column (--text-column; else
                                   text/content/caption/txt) -> caption after the images, or a text/code document
                                   (FineWeb, The Stack); texts+images lists -> one interleaved document (OBELICS);
-                                  other scalar columns -> meta. An image given only by URL is a remote-ref reject.
+                                  other scalar columns -> meta. An image given only by URL is a remote-ref reject
+                                  unless --fetch-media (then a url/URL/image_url column is the image, or video by
+                                  the URL's extension, with the caption column).
                                   Read one row group at a time. Layout not found? pass --text-column/--image-column
   an animated GIF / APNG / WebP is a video document (--animated-images first-frame keeps it an image).
   STEM.txt beside a medium is its caption and STEM.json its meta; a file PyAV opens as a video is a
   video with its sidecar whatever its extension. An earlier build's manifest.json / rejects.jsonl and
   img2dataset's NNNNN_stats.json / NNNNN.parquet beside NNNNN.tar are skipped and counted.
+  MMC4 JSONL ({"text_list": [...], "image_info": [{"raw_url", "matched_text_index"}]}): each image before its
+  sentence. Media by http(s) URL (OBELICS, MMC4, LAION/DataComp/COYO parquet, omniloom schema) are
+  remote-ref rejects unless --fetch-media downloads them (see "media by URL" below).
   media that an HTML page or JSONL record references is not also made a standalone document
   (--standalone-referenced changes that; otherwise its caption sidecar is listed in rejects.jsonl).
 
@@ -72,6 +77,21 @@ policies:
   dropped (--no-dedup keeps them).
   every rejection is a line of DIR/rejects.jsonl with the input path and the reason; so is each
   notice about an input that was kept (encoding-detected, non-finite-number).
+
+media by URL (--fetch-media): fetched by --fetch-workers threads ahead of the decode workers, then
+  validated by decoding exactly as local files (never by Content-Type), stored in the shards in input
+  order (byte-identical for any --workers / --fetch-workers). Retries (--fetch-retries, doubling
+  waits) after 429 (Retry-After honoured, capped at 30s), 5xx, timeouts and broken connections; the
+  body is refused past --max-image-bytes / --max-video-bytes (Content-Length first, then while read);
+  at most 5 redirects, a loop is a reject; X-Robots-Tag noai/noimageai/noindex/noimageindex (for all
+  agents or "omniloom:") opts out, as img2dataset decides (--fetch-ignore-robots-tag). User-Agent:
+  omniloom/VERSION. Every answer, failures too, is cached by URL in --fetch-cache (default
+  DIR/.fetch-cache; --overwrite keeps it): a rerun or a resumed build fetches nothing twice;
+  --fetch-retry-transient asks cached timeouts / 5xx / 429 / connection errors again. A failed URL
+  is a reject line (http-404, http-500, http-429, timeout, connection-error, too-large,
+  not-an-image, opted-out, redirect-loop, bad-redirect, bad-url, tls-error) and its document keeps
+  its other segments (--on-bad-media); the summary's fetch: line gives the figures, and
+  `omniloom data fetch-stats DIR` what the cache holds.
 
 output: DIR/NAME-000000.tar ... (WebDataset, one sample per document), DIR/manifest.json,
 DIR/rejects.jsonl. Same inputs and settings give byte-identical shards for any --workers.
@@ -147,12 +167,32 @@ def register(sub) -> None:
     b.add_argument("--min-video-side", type=int, default=16, help="reject videos whose shorter side is smaller (default 16)")
     b.add_argument("--max-video-side", type=int, default=4096, help="reject videos whose longer side is larger (default 4096)")
     b.add_argument("--max-video-bytes", type=_size, default="1G", help="largest video file (default 1G)")
+    f = b.add_argument_group("media by URL (see 'media by URL' below)")
+    f.add_argument("--fetch-media", action="store_true", help="download media referenced by http(s) URL (JSONL: omniloom schema, "
+                   "OBELICS, MMC4; parquet: url columns, URL lists) and build them like local media (default: a remote-ref reject)")
+    f.add_argument("--fetch-workers", type=int, default=16, metavar="N", help="requests in flight at once (default 16)")
+    f.add_argument("--fetch-timeout", type=float, default=10.0, metavar="SECONDS", help="seconds to connect and for each wait for "
+                   "bytes before a try counts as a timeout (default 10)")
+    f.add_argument("--fetch-retries", type=int, default=3, metavar="N", help="more tries after a 429, 5xx, timeout or broken "
+                   "connection, waiting 0.5s, 1s, 2s, ... or what Retry-After asks (capped at 30s) (default 3)")
+    f.add_argument("--fetch-cache", default="", metavar="DIR", help="where fetched bodies and failures are kept by URL "
+                   "(default: OUT/.fetch-cache); share it between builds so no URL is fetched twice")
+    f.add_argument("--fetch-ignore-robots-tag", action="store_true", help="fetch media whose X-Robots-Tag says noai, noimageai, "
+                   "noindex or noimageindex (by default they are opted-out rejects, img2dataset's rule)")
+    f.add_argument("--fetch-retry-transient", action="store_true", help="ask URLs again whose cached failure was transient "
+                   "(timeout, 5xx, 429, connection error); by default a rerun reuses every cached answer")
     b.add_argument("--overwrite", action="store_true", help="delete this build's previous outputs in --out (finished or not) and start over")
     b.add_argument("--include-hidden", action="store_true", help="also build hidden files and folders (names starting with '.') and "
                    "caches (__pycache__, .pyc/.pyo), which are skipped and counted by default")
     b.add_argument("--progress-seconds", type=float, default=30.0, help="when stderr is not a terminal (a log file, a Slurm job): "
                    "a progress line every N seconds (default 30; 0: none; a terminal gets a bar)")
     b.set_defaults(func=_build)
+
+    fs = dsub.add_parser("fetch-stats", help="what a --fetch-media cache holds: URLs fetched, bytes, failures by reason",
+                         description="Count the answers in a fetch cache (a build's --out, or its --fetch-cache folder).")
+    fs.add_argument("dir", metavar="DIR")
+    fs.add_argument("--json", action="store_true", help="print the figures as JSON")
+    fs.set_defaults(func=_fetch_stats)
 
     m = dsub.add_parser("merge", help="join the shard folders of a --part build into one dataset",
                         description="Join part folders (from `data build --part I/N`) into one folder with contiguous shard names and one manifest.")
@@ -212,7 +252,14 @@ def register_bench(bench_sub) -> None:
                    "text file) against reading the same rows with pyarrow alone (images decoded with PIL), in the same run")
     p.add_argument("--index", action="store_true", help="instead: `data index` s/shard against `tar -tf`, and loader samples/s on "
                    "the indexed shards against webdataset (decode rgb8), 1 worker each, in the same run")
-    p.add_argument("--samples", type=int, default=600, help="with --foreign / --parquet / --index: image samples (rows) to generate (default 600)")
+    p.add_argument("--fetch", action="store_true", help="instead: images/s `data build --fetch-media` gets from a local HTTP server "
+                   "(url + caption parquet) against img2dataset on the same URLs at the same concurrency, in the same run")
+    p.add_argument("--img2dataset", default="", metavar="PATH", help="with --fetch: img2dataset's executable (from its own venv: it "
+                   "pins webdataset<0.3); without it that half is skipped")
+    p.add_argument("--fetch-workers", type=int, default=16, help="with --fetch: requests in flight for both (default 16)")
+    p.add_argument("--latency-ms", type=float, default=10.0, help="with --fetch: the server answers after this long (default 10)")
+    p.add_argument("--repeats", type=int, default=3, help="with --fetch: alternating rounds (default 3)")
+    p.add_argument("--samples", type=int, default=600, help="with --foreign / --parquet / --index / --fetch: image samples (rows) to generate (default 600)")
     p.add_argument("--records", type=int, default=20000, help="with --foreign / --parquet: text records (rows) to generate (default 20000)")
     p.set_defaults(func=_bench)
     from .stream import stream_bench
@@ -243,8 +290,16 @@ def _build(args) -> int:
         on_bad_media=args.on_bad_media, caption_first=args.caption_first, animated=args.animated_images, text_field=args.text_field,
         text_column=args.text_column, image_columns=tuple(c for a in args.image_column for c in a.split(",") if c),
     )
+    fetch = None
+    if args.fetch_media:
+        from omniloom.data.prep.fetch import FetchOptions
+
+        fetch = FetchOptions(workers=args.fetch_workers, timeout=args.fetch_timeout, retries=args.fetch_retries, cache=args.fetch_cache,
+                             honour_robots=not args.fetch_ignore_robots_tag, retry_transient=args.fetch_retry_transient)
+    elif args.fetch_cache or args.fetch_ignore_robots_tag or args.fetch_retry_transient:
+        raise ValueError("--fetch-cache, --fetch-ignore-robots-tag and --fetch-retry-transient need --fetch-media")
     summary = build(
-        args.sources, args.out, name=args.name, workers=args.workers, part=parse_part(args.part),
+        args.sources, args.out, name=args.name, workers=args.workers, part=parse_part(args.part), fetch=fetch,
         shard_max_docs=args.shard_docs, shard_max_bytes=args.shard_size, dedup=not args.no_dedup, ingest=ingest,
         standalone_referenced=args.standalone_referenced, overwrite=args.overwrite,
         progress=getattr(args, "quiet", 0) == 0, progress_seconds=args.progress_seconds, include_hidden=args.include_hidden,
@@ -303,6 +358,10 @@ def format_summary(out: str, s: dict) -> str:
     decided.update({k: v for k, v in (s.get("skipped") or {}).items() if k.startswith("probed-")})
     if decided:  # what was decided about inputs that could be read more than one way (docs/data-format.md)
         lines.append("notes: " + ", ".join(f"{k} {v}" for k, v in sorted(decided.items())))
+    if s.get("fetch"):
+        from omniloom.data.prep.fetch import format_figures
+
+        lines.append(format_figures(s["fetch"]))
     if s.get("skipped"):
         from omniloom.data.prep.ingest import describe_skipped
         from omniloom.data.prep.sniff import describe_other_skips
@@ -350,6 +409,20 @@ def _stats(args) -> int:
     return 0
 
 
+def _fetch_stats(args) -> int:
+    from omniloom.data.prep.fetch import cache_stats
+
+    st = cache_stats(args.dir)
+    if args.json:
+        print(json.dumps(st, indent=1))
+    else:
+        failed = ", ".join(f"{k} {v}" for k, v in st["failed"].items())
+        print(f"{st['cache']}: {st['urls']} URLs: {st['ok']} fetched ({st['bytes'] / 1e6:.2f} MB), "
+              f"{sum(st['failed'].values())} failed{f' ({failed})' if failed else ''}, {st['transient']} of them transient "
+              f"(--fetch-retry-transient asks again); {st['ok_with_opt_out']} kept bodies carry an opting-out X-Robots-Tag")
+    return 0
+
+
 def _verify(args) -> int:
     from omniloom.data.prep.inspect import verify
 
@@ -368,6 +441,12 @@ def _bench(args) -> int:
     workers = [int(w) for w in args.workers.split(",") if w.strip()]
     if not workers or min(workers) < 1:
         raise ValueError(f"--workers must be a comma-separated list of positive ints, got {args.workers!r}")
+    if args.fetch:
+        from omniloom.data.prep.fetch_bench import run_fetch_bench
+
+        print(run_fetch_bench(images=args.samples, image_size=args.image_size, workers=args.fetch_workers, latency_ms=args.latency_ms,
+                              repeats=args.repeats, img2dataset=args.img2dataset, keep=args.keep, build_workers=workers[0]))
+        return 0
     if args.parquet:
         from omniloom.data.prep.parquet_bench import run_parquet_bench
 

@@ -19,6 +19,7 @@ import posixpath
 from collections import Counter
 from dataclasses import replace
 
+from .fetch import is_media_url, read_fetched
 from .foreign import expand_sources, is_remote, is_tar_name, load_foreign_sample, member_data, remote_name, tar_units
 from .html_doc import extract_html, local_refs
 from .media import still_image_format, validate_still, validate_video
@@ -487,6 +488,8 @@ def _load_media(unit: Unit, seg: dict, st: IngestSettings) -> bytes:
     path = seg["path"]
     if "_data" in seg:  # a tar member, read by foreign.py within its limit
         return member_data(seg, limit, "--max-image-bytes" if kind == "image" else "--max-video-bytes")
+    if unit.fetched is not None and is_media_url(path):  # --fetch-media: the body the main process fetched (fetch.py)
+        return read_fetched(unit, path, kind, limit, "--max-image-bytes" if kind == "image" else "--max-video-bytes")
     if path.startswith("data:"):
         head, _, payload = path.partition(",")
         if not head.endswith(";base64"):
@@ -553,6 +556,8 @@ def _finish(unit: Unit, segments: list[dict], meta: dict, st: IngestSettings, ou
         final.append({"type": kind, "ref": ref})
         members.append((ref, data))
         info["bytes"] = len(data)
+        if unit.fetched is not None and is_media_url(seg["path"]):
+            info["url"] = seg["path"]  # where a fetched medium came from
         media_meta[ref] = info
         if seg.get("alt"):
             alts[ref] = seg["alt"]

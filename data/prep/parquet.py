@@ -31,9 +31,10 @@ import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
 
 from .textcorpus import code_language
-from .units import Unit
+from .units import VIDEO_EXT, Unit
 from .validate import Reject, check_unicode_text
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,11 @@ PARQUET_EXT = (".parquet", ".pq")
 # string columns would make a URL or a file name a caption.
 TEXT_NAMES = ("text", "content", "caption", "txt")
 INTERLEAVED = ("texts", "images")
+# With --fetch-media (and no Image column or --image-column): a string column of one of these names
+# (any case) holds each row's medium by URL (LAION `URL`, DataComp / COYO / CC3M `url`, WebVid
+# `contentUrl`), a list of strings under one of URL_LISTS its media; video by the URL's extension.
+URL_NAMES = ("url", "image_url", "img_url", "raw_url", "video_url", "contenturl")
+URL_LISTS = ("images", "image_urls", "urls")
 RESERVED_META = ("source", "media", "alts")  # keys the build writes itself: a column of that name goes to original_NAME
 
 
@@ -134,9 +140,10 @@ def _image_like(t) -> bool:
     return _is_media_struct(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t) or _is_string(t)
 
 
-def plan_columns(schema, text_column: str = "", image_columns: tuple = ()) -> Plan:
+def plan_columns(schema, text_column: str = "", image_columns: tuple = (), urls: bool = False) -> Plan:
     """The `Plan` for a file of this Arrow schema, or Reject("parquet-columns") whose reason says in
-    one line which flag to pass."""
+    one line which flag to pass. `urls` (--fetch-media): a URL column (`URL_NAMES`, `URL_LISTS`) is
+    a media column (kind "url": image or video by the URL) when the file has no Image column."""
     names = list(schema.names)
     types = {n: schema.field(n).type for n in names}
     feats = hf_features(schema) or {}
@@ -169,6 +176,13 @@ def plan_columns(schema, text_column: str = "", image_columns: tuple = ()) -> Pl
                 _is_list(types[n]) and _is_media_struct(types[n].value_type)) else None
         if found:
             media.append((n, *found))
+    if urls and not media and not image_columns:
+        lower = {n.lower(): n for n in reversed(names)}
+        col = next((lower[u] for u in URL_NAMES if u in lower and _is_string(types[lower[u]])), None)
+        col = col or next((lower[u] for u in URL_LISTS if u in lower and _is_list(types[lower[u]])
+                           and _is_string(types[lower[u]].value_type)), None)
+        if col:
+            media.append((col, "url", _is_list(types[col])))
     text = text_column or next((n for n in TEXT_NAMES if n in types and _is_string(types[n])), "")
     if not media and not text:
         strings = [n for n in names if _is_string(types[n])]
@@ -184,7 +198,7 @@ def plan_columns(schema, text_column: str = "", image_columns: tuple = ()) -> Pl
 # --- discovery ----------------------------------------------------------------------------------
 
 
-def parquet_units(source: str, root: str, rel: str, text_column: str = "", image_columns: tuple = ()) -> list[Unit]:
+def parquet_units(source: str, root: str, rel: str, text_column: str = "", image_columns: tuple = (), urls: bool = False) -> list[Unit]:
     """Discovery: one unit per row of `root/rel` from the footer alone (no data read), or one reject
     unit when the file is not parquet or its columns cannot be mapped (logged with what to pass)."""
     import pyarrow.parquet as pq
@@ -192,7 +206,7 @@ def parquet_units(source: str, root: str, rel: str, text_column: str = "", image
     path = os.path.join(root, rel)
     try:
         md = pq.ParquetFile(path).metadata
-        plan_columns(md.schema.to_arrow_schema(), text_column, tuple(image_columns))
+        plan_columns(md.schema.to_arrow_schema(), text_column, tuple(image_columns), urls)
     except Reject as rej:
         log.warning("%s: %s", path, rej.reason)
         return [Unit(source=source, root=root, rel=rel, kind="reject", code=rej.code, reason=rej.reason)]
@@ -212,14 +226,14 @@ def parquet_units(source: str, root: str, rel: str, text_column: str = "", image
 # --- reading rows -------------------------------------------------------------------------------
 
 
-def read_row_group(path: str, group: int, text_column: str = "", image_columns: tuple = ()) -> tuple[Plan | None, list]:
+def read_row_group(path: str, group: int, text_column: str = "", image_columns: tuple = (), urls: bool = False) -> tuple[Plan | None, list]:
     """(plan, [row dict or Reject]) for row group `group` of `path`; (None, Reject) when the file or
     the group cannot be read. Only the planned columns are read."""
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
-        plan = plan_columns(pf.schema_arrow, text_column, tuple(image_columns))
+        plan = plan_columns(pf.schema_arrow, text_column, tuple(image_columns), urls)
         table = pf.read_row_group(group, columns=plan.columns)
     except Reject as rej:
         return None, rej
@@ -246,7 +260,7 @@ class ParquetFiller:
 
     def __init__(self, settings, inner):
         self.inner = inner
-        self.columns = (settings.text_column, tuple(settings.image_columns))
+        self.columns = (settings.text_column, tuple(settings.image_columns), settings.fetch_media)
         self.where, self.plan, self.rows = None, None, []
 
     def fill(self, units: list) -> list:
@@ -291,9 +305,13 @@ def _media_segment(value, kind: str, name: str) -> dict | None:
     """One media segment for a column value, None for a null. A value with bytes carries them
     (`_data`, validated later like a local file); a path-only value is a reference read as local
     media are (relative to the parquet file, inside its SOURCE), and a URL is a counted reject
-    (`remote-ref`: media are not fetched by URL)."""
+    (`remote-ref`) unless the build fetches it (--fetch-media). Kind "url" (a URL column): a video
+    when the URL's path names a video file, else an image."""
     if value is None:
         return None
+    if kind == "url":
+        ext = os.path.splitext(urlsplit(value).path if isinstance(value, str) else "")[1].lower()
+        kind = "video" if ext in VIDEO_EXT else "image"
     if isinstance(value, dict):
         data, path = value.get("bytes"), value.get("path")
     elif isinstance(value, (bytes, bytearray)):
@@ -364,7 +382,7 @@ def load_parquet_row(unit: Unit, st, notes: Counter, meta: dict) -> tuple[list[d
     here when it has none), mapped by `map_row`, text checked under the build's text policy."""
     payload = unit.payload
     if payload is None:  # never in a build (ParquetFiller fills every unit); kept so a unit alone still works
-        plan, rows = read_row_group(os.path.join(unit.root, unit.rel), unit.offset, st.text_column, tuple(st.image_columns))
+        plan, rows = read_row_group(os.path.join(unit.root, unit.rel), unit.offset, st.text_column, tuple(st.image_columns), st.fetch_media)
         payload = rows if isinstance(rows, Reject) else rows[unit.length] if unit.length < len(rows) else Reject(
             "missing", "the row is gone: the file changed since discovery; rerun with --overwrite")
         if isinstance(payload, Reject):

@@ -28,11 +28,13 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 
 from omniloom.data.manifest import FORMAT, MANIFEST, REJECTS, VERSION, fsync_dir, read_manifest, write_json_atomic
 from omniloom.data.outlock import OutputLock
 from omniloom.data.progress import bar_wanted, hms
 
+from .fetch import CACHE_DIR, FetchFiller, Fetcher
 from .foreign import is_remote
 from .ingest import discover, process_unit
 from .units import IngestSettings, Unit
@@ -115,26 +117,35 @@ def _process_chunk(units: list[Unit]) -> list[dict]:
     return [process_unit(u, _WORKER_SETTINGS) for u in units]
 
 
-def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, chunk: int = 8):
+def iter_results(units: list[Unit], settings: IngestSettings, workers: int, *, chunk: int = 8, fetcher=None):
     """Yield process_unit results in unit order, computed by `workers` processes with a bounded
     number of chunks in flight (back-pressure: memory stays flat on big media).
 
     A worker that dies (a decoder segfault, the OOM killer) breaks the pool: the chunk at the head
     is then re-run one unit per single-use process, so the input that crashes becomes a counted
-    reject instead of ending the build, and the pool is restarted for the rest."""
+    reject instead of ending the build, and the pool is restarted for the rest. `fetcher`
+    (--fetch-media, fetch.Fetcher): each input's media URLs are answered before it is handed out,
+    the next inputs' fetched meanwhile (fetch.FetchFiller)."""
     from .foreign import PayloadFiller
     from .parquet import ParquetFiller
 
     filler = ParquetFiller(settings, PayloadFiller(settings))  # compressed inputs and parquet row groups are read here, once
+    if fetcher is not None:
+        filler = FetchFiller(filler, units, fetcher, settings)
     if workers <= 1:
-        for u in units:
-            yield process_unit(filler.fill([u])[0], settings)
+        try:
+            for u in units:
+                yield process_unit(filler.fill([u])[0], settings)
+        finally:
+            filler.close()
         return
 
     def new_pool():
         return ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(settings,))
 
     ex = new_pool()
+    if fetcher is not None:
+        ex.submit(int).result()  # the workers are forked now, before the fetch threads start
     pending: deque = deque()  # (units with their payloads, future)
     pos = 0
     try:
@@ -217,13 +228,18 @@ def build(
     progress_seconds: float = 30.0,
     include_hidden: bool = False,
     shuffle: int | None = None,
+    fetch=None,
 ) -> dict:
     """Build (or resume) a shard directory `out` from `sources`; return a summary dict with
     documents, shards, rejects by code, duplicates, bytes, seconds, whether it resumed and the
     hidden and cache files/folders discovery skipped. `progress`: a bar on a terminal, else a log
     line every `progress_seconds` (0: none). `shuffle`: write the documents in an order drawn from
-    this seed (`shuffled_units`) instead of the sorted input order."""
+    this seed (`shuffled_units`) instead of the sorted input order. `fetch` (fetch.FetchOptions,
+    --fetch-media): media given by http(s) URL are downloaded (into `fetch.cache`, default
+    OUT/.fetch-cache) and built like local media; the summary's `fetch` holds the figures."""
     ingest = ingest or IngestSettings()
+    if fetch is not None:
+        ingest = replace(ingest, fetch_media=True)  # parquet url columns are media (parquet.plan_columns)
     if not _NAME_RE.match(name):
         raise ValueError(f"--name must use letters, digits, '-' and '_' only, got {name!r}")
     if shard_max_docs < 1 or shard_max_bytes < 64 * 1024:
@@ -237,11 +253,11 @@ def build(
         return _build_locked(sources, out, name=name, workers=workers, part=part, shard_max_docs=shard_max_docs,
                              shard_max_bytes=shard_max_bytes, dedup=dedup, ingest=ingest,
                              standalone_referenced=standalone_referenced, overwrite=overwrite, progress=progress,
-                             progress_seconds=progress_seconds, include_hidden=include_hidden, shuffle=shuffle, t0=t0)
+                             progress_seconds=progress_seconds, include_hidden=include_hidden, shuffle=shuffle, fetch=fetch, t0=t0)
 
 
 def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_max_bytes, dedup, ingest,
-                  standalone_referenced, overwrite, progress, progress_seconds, include_hidden, shuffle, t0) -> dict:
+                  standalone_referenced, overwrite, progress, progress_seconds, include_hidden, shuffle, fetch, t0) -> dict:
     settings = {
         "sources": [printable(s if is_remote(s) else os.path.normpath(s)) for s in sources],  # a URL keeps its '//'
         "name": name,
@@ -253,11 +269,14 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
         **({"include_hidden": True} if include_hidden else {}),  # absent by default: older builds still resume
         **({"shuffle": shuffle} if shuffle is not None else {}),
         **ingest.to_dict(),
+        **({"fetch_media": fetch.settings()} if fetch is not None else {}),  # absent without --fetch-media: older builds resume
     }
+    cache = (fetch.cache or os.path.join(out, CACHE_DIR)) if fetch is not None else ""  # discovery leaves it out
     skipped = Counter()
-    units = discover(sources, exclude=[out], standalone_referenced=standalone_referenced, max_text_bytes=ingest.text.max_bytes,
-                     undeclared_encoding=ingest.text.undeclared_encoding, include_hidden=include_hidden, skipped=skipped,
-                     parquet_columns=(ingest.text_column, ingest.image_columns))
+    units = discover(sources, exclude=[out, *([cache] if cache else [])], standalone_referenced=standalone_referenced,
+                     max_text_bytes=ingest.text.max_bytes, undeclared_encoding=ingest.text.undeclared_encoding,
+                     include_hidden=include_hidden, skipped=skipped,
+                     parquet_columns=(ingest.text_column, ingest.image_columns, ingest.fetch_media))
     order = None  # part builds: each unit's index in the whole input set, for dedup across parts in `merge`
     whole = None
     if part[1] > 1:
@@ -313,8 +332,9 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
     writer: DeterministicTarWriter | None = None
     bar = _Progress(len(units) - start, enabled=progress, every=progress_seconds)
     pause = float(os.environ.get(_PAUSE_ENV, "0") or 0)
+    fetcher = Fetcher(fetch, cache, ingest.limits) if fetch is not None else None
     try:
-        for i, res in enumerate(iter_results(units[start:], ingest, workers), start=start):
+        for i, res in enumerate(iter_results(units[start:], ingest, workers, fetcher=fetcher), start=start):
             bar.update(res)
             rejects = res["rejects"]
             if res["doc"] is not None and dedup and res["fingerprint"] in seen:
@@ -359,7 +379,10 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
     finally:
         journal.close()
         bar.close()
-    return {**_finalize(out, header, settings, time.perf_counter() - t0, resumed=bool(start)), "skipped": dict(skipped)}
+        if fetcher is not None:
+            fetcher.close()
+    fetched = {"fetch": fetcher.figures()} if fetcher is not None else {}
+    return {**_finalize(out, header, settings, time.perf_counter() - t0, resumed=bool(start)), "skipped": dict(skipped), **fetched}
 
 
 class _Span:

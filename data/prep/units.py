@@ -67,6 +67,7 @@ class Unit:
     meta_sidecar: str = ""  # a STEM.json beside a medium whose caption is STEM.txt: its meta
     url: str = ""  # a remote shard (http(s) URL, pipe: command; foreign.is_remote): read through gopen, root ""
     payload: object = field(default=None, compare=False, repr=False)  # a compressed input's bytes (foreign.PayloadFiller)
+    fetched: object = field(default=None, compare=False, repr=False)  # --fetch-media: {url: answer} (fetch.FetchFiller)
 
     @property
     def _where(self) -> str:
@@ -103,6 +104,7 @@ class IngestSettings:
     text_field: str = "text"  # the text of a text-corpus JSONL record (textcorpus.parse_record)
     text_column: str = ""  # parquet: the text column ("": from the file, parquet.plan_columns)
     image_columns: tuple[str, ...] = ()  # parquet: the image columns (empty: from the file)
+    fetch_media: bool = False  # --fetch-media: parquet url columns are media (parquet.plan_columns); the build's settings record it
 
     def __post_init__(self):
         if self.on_bad_media not in ("drop-segment", "drop-doc"):

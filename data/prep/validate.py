@@ -229,8 +229,8 @@ def resolve_inside(root: str, base_dir: str, ref: str) -> str:
     if _SCHEME.match(ref) and not re.match(r"^[a-zA-Z]:[\\/]", ref):
         raise Reject(
             "remote-ref",
-            f"media reference {ref!r} is a URL; data build reads local files only: download the "
-            "media first and reference it by a path relative to the document",
+            f"media reference {ref!r} is a URL; pass --fetch-media to download http(s) media during the build, "
+            "or download the media first and reference it by a path relative to the document",
         )
     if os.path.isabs(ref):
         raise Reject("bad-ref", f"media reference {ref!r} is absolute; use a path relative to the document")
@@ -294,11 +294,46 @@ def parse_input_document(obj) -> tuple[list[dict], dict]:
         return _parse_omniloom(obj)
     if "texts" in obj and "images" in obj:
         return _parse_obelics(obj)
+    if "text_list" in obj and "image_info" in obj:
+        return parse_mmc4(obj)
     raise Reject(
         "schema",
-        "unknown record layout: expected 'segments' (omniloom schema, docs/data-format.md) or parallel "
-        f"'texts' and 'images' lists (OBELICS); got keys {sorted(obj)[:8]}",
+        "unknown record layout: expected 'segments' (omniloom schema, docs/data-format.md), parallel "
+        f"'texts' and 'images' lists (OBELICS) or 'text_list' and 'image_info' (MMC4); got keys {sorted(obj)[:8]}",
     )
+
+
+def parse_mmc4(obj: dict) -> tuple[list[dict], dict]:
+    """The MMC4 layout: sentences in `text_list`, images in `image_info` assigned to a sentence by
+    `matched_text_index`. Each image goes before its sentence (OpenFlamingo's reading of MMC4),
+    images of one sentence in `image_info` order; the sentences between two images are one text
+    segment, joined by a space. An image is its `raw_url` (fetched with --fetch-media), else its
+    `image_name` (a path relative to the JSONL file). Other keys, `image_info` included, go to meta."""
+    texts, infos = obj["text_list"], obj["image_info"]
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts) or not isinstance(infos, list):
+        raise Reject("schema", "MMC4 'text_list' must be a list of strings and 'image_info' a list")
+    before: dict[int, list[str]] = {}
+    for j, info in enumerate(infos):
+        where = info.get("matched_text_index") if isinstance(info, dict) else None
+        ref = (info.get("raw_url") or info.get("image_name")) if isinstance(info, dict) else None
+        if not isinstance(where, int) or isinstance(where, bool) or not 0 <= where < len(texts):
+            raise Reject("schema", f"MMC4 image_info[{j}] needs a matched_text_index within text_list (0..{len(texts) - 1})")
+        if not isinstance(ref, str) or not ref:
+            raise Reject("schema", f"MMC4 image_info[{j}] needs a raw_url (or image_name) string")
+        before.setdefault(where, []).append(ref)
+    segments, run = [], []
+    for i, text in enumerate(texts):
+        if i in before:
+            if run:
+                segments.append({"type": "text", "text": " ".join(run)})
+                run = []
+            segments += [{"type": "image", "path": ref} for ref in before[i]]
+        run.append(text)
+    if run:
+        segments.append({"type": "text", "text": " ".join(run)})
+    if not segments:
+        raise Reject("schema", "MMC4 record has no sentences and no images")
+    return segments, {k: v for k, v in obj.items() if k != "text_list"}
 
 
 def _parse_omniloom(obj: dict) -> tuple[list[dict], dict]:

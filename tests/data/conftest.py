@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -58,14 +58,15 @@ def kill_build(start_build):
 def check_kill_and_resume(tmp_path, start_build, kill_build):
     """Build `src` once whole, once killed (kill_build) and resumed: the resumed build says so and
     its folder is byte-identical to the whole one. `first` adds flags to the whole and the killed run
-    (the resumed one runs without them: e.g. another --workers must give the same bytes)."""
+    (the resumed one runs without them: e.g. another --workers must give the same bytes); `always`
+    adds flags to all three (e.g. --fetch-media)."""
 
-    def check(src, *, first=(), shards: int = 3) -> None:
+    def check(src, *, first=(), always=(), shards: int = 3) -> None:
         clean, out = tmp_path / "clean", tmp_path / "killed"
-        p = start_build(src, clean, *first)
+        p = start_build(src, clean, *first, *always)
         assert p.wait(timeout=120) == 0, p.stderr.read().decode()
-        kill_build(src, out, *first, shards=shards)
-        p = start_build(src, out)
+        kill_build(src, out, *first, *always, shards=shards)
+        p = start_build(src, out, *always)
         assert p.wait(timeout=120) == 0, p.stderr.read().decode()
         assert "(resumed)" in p.stdout.read().decode()
         assert_same_files(clean, out)
@@ -74,9 +75,11 @@ def check_kill_and_resume(tmp_path, start_build, kill_build):
 
 
 def assert_same_files(a, b) -> None:
-    """Two folders hold the same file names with the same bytes."""
-    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
-    for name in os.listdir(a):
+    """Two folders hold the same file names with the same bytes (a --fetch-media cache folder inside
+    them, .fetch-cache, is left out: what it holds depends on what each build fetched itself)."""
+    names = sorted(n for n in os.listdir(a) if n != ".fetch-cache")
+    assert names == sorted(n for n in os.listdir(b) if n != ".fetch-cache")
+    for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
@@ -142,6 +145,83 @@ def serve_folder(folder):
 def http_folder():
     """`serve_folder` for module-scoped server fixtures: `with http_folder(path) as (url, requests)`."""
     return serve_folder
+
+
+class _RouteHandler(BaseHTTPRequestHandler):
+    routes: dict
+    requests: list
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        path = self.path.split("?", 1)[0]
+        with self.lock:
+            self.requests.append((path, dict(self.headers.items()), time.monotonic()))
+            n = sum(1 for p, _, _ in self.requests if p == path)
+        route = self.routes.get(path)
+        if route is None:
+            reply(self, 404, b"not here")
+        else:
+            route(self, n)
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+def reply(handler, status: int, body: bytes = b"", headers=(), *, length: bool = True) -> None:
+    """Answer a request of `serve_routes`: `status`, `headers` (pairs), `body`; with `length` False
+    no Content-Length is sent and the body ends when the connection closes (HTTP/1.0)."""
+    handler.send_response(status)
+    for k, v in headers:
+        handler.send_header(k, v)
+    if length:
+        handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    try:
+        handler.wfile.write(body)
+    except OSError:  # the client gave up (a timeout test)
+        pass
+
+
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # listen()'s backlog: at the default 5, concurrent connects wait out a SYN retry (1 s)
+
+    def handle_error(self, request, client_address):  # a client that timed out and closed: expected in these tests
+        pass
+
+
+@contextlib.contextmanager
+def serve_routes(routes: dict):
+    """A threaded HTTP server on 127.0.0.1 answering GET `path` by `routes[path](handler, n)` (n:
+    the how-many-th request to that path, from 1; `reply` writes an answer), 404 for the rest; yields
+    (base URL, requests: [(path, headers, monotonic time)]). Shut down on exit, and by itself after
+    5 minutes whatever happens."""
+    handler = type("R", (_RouteHandler,), {"routes": routes, "requests": [], "lock": threading.Lock()})
+    srv = _QuietServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    guard = threading.Timer(300, srv.shutdown)
+    guard.daemon = True
+    guard.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}", handler.requests
+    finally:
+        guard.cancel()
+        srv.shutdown()
+        srv.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def route_server():
+    """`serve_routes`: `with route_server(routes) as (base URL, requests)`; a route writes its answer
+    with the `http_reply` fixture's function."""
+    return serve_routes
+
+
+@pytest.fixture(scope="session")
+def http_reply():
+    """`reply(handler, status, body, headers, length=True)`, for `route_server` routes."""
+    return reply
 
 
 @pytest.fixture
