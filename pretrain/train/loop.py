@@ -117,8 +117,6 @@ class Trainer:
         if build_loader is None and not cfg.data.sources:  # fail before minutes of model setup
             raise ValueError("data.sources is empty: point it at shards made by `omniloom data build`, e.g. "
                              "data.sources=shards/train data.tokenizer=tok")
-        if build_loader is None:
-            check_sources(cfg.data)
         # Checked before any setup too: a bad resume path is a user mistake worth failing fast on.
         resume = resolve_resume(cfg.checkpoint.resume, Path(cfg.train.run_dir) / CHECKPOINTS)
         init_from = check_init_from(cfg.train.init_from)
@@ -150,6 +148,8 @@ class Trainer:
             check_step_memory(cfg, self.acc.device)  # before minutes of setup and workers that grow without bound
             warn_ignored_settings(cfg.model, quiet=not self.acc.is_main_process)
             build_model = B.build_model
+        if build_loader is None:
+            check_sources(cfg.data)  # a mistyped source fails here, not after minutes of model setup
         self.cfg = cfg
         self.run_dir = Path(cfg.train.run_dir)
         self.device = self.acc.device

@@ -829,15 +829,15 @@ def test_resuming_under_another_rope_layout_is_refused_once_the_weights_fit(tmp_
 
 def test_a_bad_local_source_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
     """Issue 41 item 5: a mistyped source was reported only after the model and optimizer were built."""
-    from omniloom.pretrain.train import loop
+    from omniloom.pretrain.train import build, loop
 
     def too_late(*a, **k):
-        raise AssertionError("the model was set up before the sources were checked")
+        raise AssertionError("the model was built before the sources were checked")
 
-    monkeypatch.setattr(loop, "make_accelerator", too_late)
+    monkeypatch.setattr(build, "build_model", too_late)
     (tmp_path / "empty").mkdir()
     for source, message in ((tmp_path / "nowhere", "no such folder or shard file"),
                             (tmp_path / "empty", "has no manifest.json")):
-        cfg = load_config("tiny", [f"data.sources={source}", f"train.run_dir={tmp_path / 'run'}"])
+        cfg = load_config("tiny", [f"data.sources={source}", f"train.run_dir={tmp_path / 'run'}", "model.vocab_size=512"])
         with pytest.raises(FileNotFoundError, match=message):
             loop.Trainer(cfg)
