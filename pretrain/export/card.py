@@ -38,6 +38,15 @@ def _pattern_kinds(attention) -> str:
     return ", ".join(words[k] for k in "LGB" if k in attention.pattern.upper())
 
 
+def _vision_lines(m) -> list[str]:
+    """The card's line on late fusion (model.vision_encoder), none when the model fuses early."""
+    if not m.vision_encoder.enabled:
+        return []
+    enc = m.vision_encoder.resolved(m)
+    return [f"- late fusion: a vision encoder of {enc.num_layers} layer(s), width {enc.dim}, {enc.num_heads} heads, "
+            f"{enc.projector} projector, over each visual block"]
+
+
 def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int, num_active: int, dtype: str) -> str:
     """A short README: what the model is, what it saw, how it ended, how to load it."""
     m = cfg.model
@@ -57,6 +66,7 @@ def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int,
         f"- attention pattern `{m.attention.pattern}` ({_pattern_kinds(m.attention)})",
         f"- MoE: {m.moe.num_experts} experts, top-{m.moe.num_experts_per_token}, {m.moe.num_shared_experts} shared, "
         f"first {m.moe.num_dense_layers} layer(s) dense",
+        *_vision_lines(m),
         f"- weights: {dtype}, WEIGHT_FILES",
         "",
         "## Training",

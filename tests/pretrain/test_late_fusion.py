@@ -108,6 +108,7 @@ def test_an_encoder_model_trains_resumes_exports_evaluates_generates_and_seeds_a
     assert main(["-qq", "export", str(run), "--out", str(out)]) == 0
     exported = json.loads((out / "config.json").read_text())["model"]["vision_encoder"]
     assert exported == {"enabled": True, "dim": 32, "num_layers": 2, "num_heads": 2, "ffn_dim": 0, "projector": "mlp"}
+    assert "late fusion: a vision encoder of 2 layer(s), width 32" in (out / "README.md").read_text()
     model = load_pretrained(out)
     batch = random_packed_batch(model.cfg, batch_size=2, seq_len=64, docs_per_row=2, image_grid=(1, 2, 3),
                                 video_grid=(2, 2, 2), seed=3)
