@@ -263,3 +263,19 @@ def test_patch_tokens_outside_a_block_are_refused():
     broken = dict(batch, block_ids=torch.where(batch["input_ids"] == cfg.patch_token_id, -1, batch["block_ids"]))
     with pytest.raises(ValueError, match="every <|patch|> token must carry its block's id"):
         model(**broken)
+
+
+def test_a_hostile_encoder_depth_is_refused_before_building():
+    """An export's config.json claiming a deep encoder the weights do not hold is refused from the
+    safetensors headers, before a module is built (even on the meta device)."""
+    from omniloom.model.pretrained import check_config_against_shapes
+
+    cfg = enc_cfg()
+    shapes = {k: tuple(v.shape) for k, v in OmniModel(cfg).state_dict().items()}
+    check_config_against_shapes(cfg, shapes, "export")
+    deep = dataclasses.replace(cfg, vision_encoder=dataclasses.replace(cfg.vision_encoder, num_layers=2**30))
+    with pytest.raises(ValueError, match="implies 1073741824 model.vision_encoder layers, the weights hold 2"):
+        check_config_against_shapes(deep, shapes, "export")
+    off = dataclasses.replace(cfg, vision_encoder=VisionEncoderConfig())
+    with pytest.raises(ValueError, match="implies 0 model.vision_encoder layers, the weights hold 2"):
+        check_config_against_shapes(off, shapes, "export")
