@@ -3,7 +3,9 @@
 `num_params(cfg)` equals `sum(p.numel() for p in OmniModel(cfg).parameters())` (a test checks it);
 router biases are buffers, not parameters. Active parameters drop the routed experts a token does
 not use. FLOPs per token count forward + backward (x3) of every matmul a token goes through and
-of attention according to each layer kind's sparsity.
+of attention according to each layer kind's sparsity. A vision encoder (late fusion) is counted
+apart: its parameters in `num_params` (not in the active parameters of a text token), its FLOPs
+per visual token by `vision_encoder_flops`.
 """
 
 from __future__ import annotations
@@ -39,16 +41,54 @@ def _ffn_params(cfg: ModelConfig, layer: int, *, active: bool) -> int:
     return n
 
 
+def _visual_width(cfg: ModelConfig) -> int:
+    """The patch stem's output width: the vision encoder's when there is one, else the decoder's."""
+    return cfg.vision_encoder.resolved(cfg).dim if cfg.vision_encoder.enabled else cfg.dim
+
+
 def _visual_embedding_params(cfg: ModelConfig, in_dim: int, video: bool = False) -> int:
     """One visual projection: linear from the pixels, or the conv stem (model/embeddings.py
     ConvStem: two bias-free 3x3 convolutions) and a linear from its features."""
+    out = _visual_width(cfg)
     if cfg.patch_stem != "conv":
-        return in_dim * cfg.dim
+        return in_dim * out
     width, frames = cfg.conv_stem_width, in_dim // cfg.patch_dim
     features = conv_stem_features(cfg.patch_size, width)
     if video and cfg.conv_stem_video == "frames":  # the image stem's weights, counted with the image's
-        return frames * features * cfg.dim
-    return (3 * frames * width + width * 2 * width) * 9 + features * cfg.dim
+        return frames * features * out
+    return (3 * frames * width + width * 2 * width) * 9 + features * out
+
+
+def _vision_matmul_params(cfg: ModelConfig) -> int:
+    """The vision encoder's matmul weights: per layer wq, wk, wv, wo (E x E each) and the SwiGLU
+    (3 x E x F), then the projector (E x D, and D x D for `mlp`)."""
+    enc = cfg.vision_encoder.resolved(cfg)
+    n = enc.num_layers * (4 * enc.dim * enc.dim + 3 * enc.dim * enc.ffn_dim)
+    return n + enc.dim * cfg.dim + (cfg.dim * cfg.dim if enc.projector == "mlp" else 0)
+
+
+def vision_encoder_params(cfg: ModelConfig) -> int:
+    """Parameters of model.vision_encoder (0 when off): matmuls, per layer two norms and the
+    QK-norm weights, the final norm. The patch stem is counted with the embeddings."""
+    if not cfg.vision_encoder.enabled:
+        return 0
+    enc = cfg.vision_encoder.resolved(cfg)
+    return _vision_matmul_params(cfg) + enc.num_layers * (2 * enc.dim + 2 * enc.head_dim) + enc.dim
+
+
+def vision_encoder_flops(cfg: ModelConfig, block_len: int) -> float:
+    """Training FLOPs (forward + backward) per visual token of a block of `block_len` patches:
+    6 x the encoder's matmul weights (layers and projector) plus, per layer, 12 x E x block_len
+    for its attention (QK^T and PV, every patch against every patch of its block). 0 when off."""
+    if not cfg.vision_encoder.enabled:
+        return 0.0
+    enc = cfg.vision_encoder.resolved(cfg)
+    return 6.0 * _vision_matmul_params(cfg) + 12.0 * enc.num_layers * enc.dim * block_len
+
+
+def vision_encoder_batch_flops(cfg: ModelConfig, block_lens) -> float:
+    """Training FLOPs of the vision encoder over visual blocks of these lengths."""
+    return float(sum(n * vision_encoder_flops(cfg, n) for n in block_lens))
 
 
 def _embedding_params(cfg: ModelConfig) -> int:
@@ -59,7 +99,7 @@ def _embedding_params(cfg: ModelConfig) -> int:
 
 def num_params(cfg: ModelConfig) -> int:
     """Total trainable parameters."""
-    n = _embedding_params(cfg) + cfg.dim  # final norm
+    n = _embedding_params(cfg) + cfg.dim + vision_encoder_params(cfg)  # final norm, late fusion's encoder
     for layer, kind in enumerate(cfg.layer_kinds()):
         n += _attention_params(cfg, kind) + _ffn_params(cfg, layer, active=False)
     return n
@@ -84,10 +124,12 @@ def mean_keys_per_query(cfg: ModelConfig, kind: str, seq_len: int) -> float:
     return (span * (span + 1) / 2 + (seq_len - span) * span) / seq_len
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, visual_fraction: float = 0.0, visual_block_len: int = 0) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), for documents of seq_len tokens:
     6 x active matmul parameters (embedding lookup excluded, output head included) plus attention
-    12 x heads x head_dim x mean keys per query per layer, plus the B layers' block scoring."""
+    12 x heads x head_dim x mean keys per query per layer, plus the B layers' block scoring; with
+    a vision encoder, plus `visual_fraction` x `vision_encoder_flops(cfg, visual_block_len)` (the
+    share of tokens that are patches, in blocks of that many)."""
     att = cfg.attention
     matmul = num_active_params(cfg) - cfg.vocab_size * cfg.dim  # the embedding is a lookup
     if att.selector == "indexer":  # indexer projections: forward and weight gradient only (input detached)
@@ -102,7 +144,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
             # block-start index queries x every earlier key (max-pooled), forward only; the KL
             # target's dense scores for the sampled query blocks are a bounded extra, not counted
             flops += 2.0 * cfg.num_kv_heads * att.indexer_heads * att.indexer_dim * (seq_len / 2) / att.block_size
-    return flops
+    return flops + visual_fraction * vision_encoder_flops(cfg, visual_block_len)
 
 
 def summary(cfg: ModelConfig, seq_len: int = 4096) -> dict[str, float]:
@@ -112,4 +154,5 @@ def summary(cfg: ModelConfig, seq_len: int = 4096) -> dict[str, float]:
         "active_params": num_active_params(cfg),
         "non_embedding_active_params": num_active_params(cfg) - 2 * cfg.vocab_size * cfg.dim,
         "flops_per_token": flops_per_token(cfg, seq_len),
+        "vision_encoder_params": vision_encoder_params(cfg),
     }

@@ -3,6 +3,7 @@
     ModelConfig
       attention: AttentionConfig   layer kinds (pattern), window, block selection, backend
       moe: MoEConfig               routed + shared experts, routing, balancing, modality groups
+      vision_encoder: VisionEncoderConfig   late fusion: a ViT over each visual block (off by default)
 
 `validate()` checks the combinations a dataclass cannot express and raises ValueError with what
 to change; `OmniModel` calls it at construction. Parameter and FLOP accounting from the config
@@ -137,6 +138,75 @@ class MoEConfig:
         check_floats("model.moe", self, at_least={"bias_update_rate": 0.0, "aux_loss_coef": 0.0, "router_z_loss_coef": 0.0})
 
 
+VISION_PROJECTORS = ("mlp", "linear")
+VISION_PARAM_SHARE = 4  # the auto-sized encoder holds about 1/4 of the decoder's active non-embedding parameters
+VISION_FFN_RATIO = 4  # the auto-sized encoder's SwiGLU width: 4 x its width
+
+
+@dataclass(kw_only=True)
+class VisionEncoderConfig:
+    """Late fusion (model/vision_encoder.py): a bidirectional transformer over the patches of each
+    visual block alone, then a projector into the decoder's width; the decoder reads the projected
+    tokens where the patch embeddings were. Off: the patch stem's embeddings go straight into the
+    decoder (native early fusion). The stem then projects to `dim`, not to the decoder's width.
+
+    Each encoder layer: RMSNorm, multi-head attention (QK-norm, the decoder's M-RoPE layout over the
+    patch's (t, h, w) position) within the visual block only, RMSNorm, SwiGLU of `ffn_dim`. Then
+    RMSNorm and the projector: `mlp` Linear(dim, D) GELU Linear(D, D) (LLaVA-1.5), or `linear`.
+
+    0 means sized from the decoder (`resolved`): `dim` the decoder's width, `num_heads` so that
+    heads keep the decoder's head dim, `ffn_dim` 4 x dim, `num_layers` the depth that brings the
+    encoder's layers to about 1/4 of the decoder's active non-embedding parameters (at least 1)."""
+
+    enabled: bool = False
+    dim: int = 0
+    num_layers: int = 0
+    num_heads: int = 0
+    ffn_dim: int = 0
+    projector: Literal["mlp", "linear"] = "mlp"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads if self.num_heads else 0
+
+    @property
+    def rope_sections(self) -> tuple[int, int, int]:
+        """The (t, h, w) split of the encoder's head dim (its rotary follows the decoder's layout)."""
+        return tuple(_suggest_sections(self.head_dim))
+
+    def resolved(self, decoder: "ModelConfig") -> "VisionEncoderConfig":
+        """This config with every 0 replaced by the size the default rule gives for `decoder`."""
+        from dataclasses import replace
+
+        dim = self.dim or decoder.dim
+        heads = self.num_heads or (decoder.num_heads if dim == decoder.dim else max(1, round(dim / decoder.head_dim)))
+        ffn = self.ffn_dim or VISION_FFN_RATIO * dim
+        layers = self.num_layers
+        if not layers:
+            from .accounting import num_active_params  # accounting imports this module
+
+            target = (num_active_params(decoder) - 2 * decoder.vocab_size * decoder.dim) / VISION_PARAM_SHARE
+            layers = max(1, round(target / (4 * dim * dim + 3 * dim * ffn)))
+        return replace(self, dim=dim, num_heads=heads, ffn_dim=ffn, num_layers=layers)
+
+    def validate(self, decoder: "ModelConfig") -> None:
+        """Raise ValueError naming the key when the encoder cannot be built (nothing when off)."""
+        if not self.enabled:
+            return
+        for key in ("dim", "num_layers", "num_heads", "ffn_dim"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"model.vision_encoder.{key}={getattr(self, key)} must be >= 0 (0: sized from the decoder)")
+        if self.projector not in VISION_PROJECTORS:
+            raise ValueError(f"model.vision_encoder.projector='{self.projector}': choose one of {', '.join(VISION_PROJECTORS)}")
+        if decoder.visual_pos_max:
+            raise ValueError("model.vision_encoder takes positions from its rotary embedding: set model.visual_pos_max=0 "
+                             "or model.vision_encoder.enabled=false")
+        enc = self.resolved(decoder)
+        if enc.dim % enc.num_heads or enc.head_dim % 2:
+            raise ValueError(f"model.vision_encoder.dim={enc.dim} must be a multiple of model.vision_encoder.num_heads="
+                             f"{enc.num_heads} with an even head dim")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The decoder. `vocab_size` and `patch_token_id` come from omniloom_tokenizer.json (pretrain/ fills
@@ -181,6 +251,7 @@ class ModelConfig:
     kernels: Literal["auto", "reference", "triton", "compiled"] = "auto"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    vision_encoder: VisionEncoderConfig = field(default_factory=VisionEncoderConfig)
 
     def __post_init__(self) -> None:
         # rope_base 0 or less gives NaN rotations; 1 gives every frequency pair the same (no long range)
@@ -296,6 +367,7 @@ class ModelConfig:
                                  f"{moe.num_experts} (each rank of an expert group holds the same number of experts)")
         if moe.num_dense_layers and moe.dense_dim < 1 or (moe.num_experts == 0 and moe.dense_dim < 1):
             raise ValueError("model.moe.dense_dim must be >= 1 for dense layers")
+        self.vision_encoder.validate(self)
 
 
 def _suggest_sections(head_dim: int) -> list[int]:

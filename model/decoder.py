@@ -4,6 +4,7 @@ Legend: B batch, S sequence, D width, V vocab, T = B*S tokens, P patch positions
 M = 5 modalities, L_moe MoE layers.
 
     x = embed(tokens, patches)                              # patches replace <|patch|> embeddings
+                                                            # (late fusion: encoded first, vision_encoder.py)
     for each layer: x += attn(rmsnorm(x)); x += ffn(rmsnorm(x))   # ffn: dense SwiGLU or MoE
     loss = CE(head(rmsnorm(x)), lse in fp32) + z-loss (+ aux, router z)
 
@@ -29,6 +30,7 @@ from .embeddings import MultimodalEmbedding, data_dependent_shapes_are_free, mro
 from .indexer import index_rope_angles
 from .masks import BatchLayout, batch_layout, build_mask_info
 from .moe import NUM_MODALITIES, MoE, SwiGLUMLP
+from .vision_encoder import VisionEncoder
 
 IGNORE_INDEX = -100
 
@@ -109,7 +111,10 @@ class OmniModel(nn.Module):
             tubelet_dim=cfg.tubelet_dim, patch_token_id=cfg.patch_token_id, visual_pos_max=cfg.visual_pos_max,
             patch_stem=cfg.patch_stem,
             conv_stem_width=cfg.conv_stem_width, conv_stem_video=cfg.conv_stem_video,
+            visual_dim=cfg.vision_encoder.resolved(cfg).dim if cfg.vision_encoder.enabled else 0,
         )
+        # late fusion (model.vision_encoder): patches through an encoder of their own before the decoder
+        self.vision = VisionEncoder(cfg, self.ops) if cfg.vision_encoder.enabled else None
         self.layers = nn.ModuleList(Block(cfg, i, kind, self.ops, expert_range)
                                     for i, kind in enumerate(cfg.layer_kinds()))
         self.norm = nn.Parameter(torch.ones(cfg.dim))
@@ -128,9 +133,11 @@ class OmniModel(nn.Module):
         depth; norms at 1, balancing biases at 0."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        # the B layers' index branches last: with the same seed, a model with selector=indexer
-        # starts from the same language-model weights as one with selector=pooled
-        params = sorted(self.named_parameters(), key=lambda item: is_indexer_param(item[0]))
+        vision_out_std = std / math.sqrt(2 * self.vision.enc.num_layers) if self.vision is not None else std
+        # the B layers' index branches and the vision encoder last: with the same seed, a model
+        # with selector=indexer starts from the same language-model weights as one with
+        # selector=pooled
+        params = sorted(self.named_parameters(), key=lambda item: (item[0].startswith("vision."), is_indexer_param(item[0])))
         for name, p in params:
             owner, _, leaf = name.rpartition(".")
             shard = getattr(self.get_submodule(owner), "expert_range", None) if leaf in ("w_gate", "w_up", "w_down") else None
@@ -146,7 +153,7 @@ class OmniModel(nn.Module):
             elif "_stem.conv" in name:
                 nn.init.kaiming_normal_(p, nonlinearity="relu")  # the patch stem's convolutions keep their scale
             elif name.endswith("wo.weight") or "w_down" in name:
-                nn.init.normal_(p, std=out_std)
+                nn.init.normal_(p, std=vision_out_std if name.startswith("vision.") else out_std)
             else:
                 nn.init.normal_(p, std=std)
         for layer in self.layers:
@@ -179,7 +186,9 @@ class OmniModel(nn.Module):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {(B, S)} like input_ids")
         if tuple(positions.shape) != (B, 3, S):
             raise ValueError(f"positions has shape {tuple(positions.shape)}, expected {(B, 3, S)}")
-        x_BSD = self.embed(input_ids, patches, patch_kind, positions)
+        if layout is None and self.vision is not None and patches is not None and patches.shape[0]:
+            layout = self.batch_layout(doc_ids, block_ids)  # the encoder needs the visual blocks' extents on the host
+        x_BSD = self.embed_inputs(input_ids, patches, patch_kind, positions, doc_ids, block_ids, layout=layout)
         cos_BSd, sin_BSd = self.rope(positions)
         info = build_mask_info(doc_ids, block_ids, block_size=cfg.attention.block_size, window=cfg.attention.window)
         att = cfg.attention
@@ -260,6 +269,22 @@ class OmniModel(nn.Module):
             block_coverage=block_coverage,
         )
 
+    def embed_inputs(self, input_ids, patches, patch_kind, positions, doc_ids, block_ids, *,
+                     layout: BatchLayout | None = None) -> torch.Tensor:
+        """The decoder's input [B, S, D]: token embeddings, and at `<|patch|>` positions the patch
+        stem's embeddings (early fusion) or, with model.vision_encoder, the stem's embeddings
+        encoded within their visual block and projected (late fusion). The encoder reads the
+        blocks' extents from `layout` (host-side; computed here from the batch when absent, a
+        device read on an accelerator)."""
+        encode = None
+        if self.vision is not None:
+            def encode(x_PE):
+                if not x_PE.shape[0]:
+                    return self.vision(x_PE, positions, ())
+                lay = layout if layout is not None and layout.visual else self.batch_layout(doc_ids, block_ids)
+                return self.vision(x_PE, positions, lay.visual)
+        return self.embed(input_ids, patches, patch_kind, positions, encode=encode)
+
     def rope(self, positions_B3S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's rotary (cos, sin) [B, S, head_dim / 2] for these (t, h, w) positions,
         in the model's `rope_layout`."""
@@ -303,9 +328,19 @@ class OmniModel(nn.Module):
         return accounting.num_params(self.cfg)
 
     def num_active_params(self) -> int:
-        """Parameters one text token uses, from the config."""
+        """Parameters one text token uses, from the config (the vision encoder not included:
+        `accounting.vision_encoder_params`)."""
         return accounting.num_active_params(self.cfg)
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward), from the config."""
-        return accounting.flops_per_token(self.cfg, seq_len)
+    def flops_per_token(self, seq_len: int, *, visual_fraction: float = 0.0, visual_block_len: int = 0) -> float:
+        """Training FLOPs per token (forward + backward), from the config; with a vision encoder,
+        `visual_fraction` of the tokens are patches in blocks of `visual_block_len`."""
+        return accounting.flops_per_token(self.cfg, seq_len, visual_fraction=visual_fraction,
+                                          visual_block_len=visual_block_len)
+
+    def visual_flops(self, layout: BatchLayout | None) -> float:
+        """Training FLOPs of the vision encoder on one batch, from its host-side layout's visual
+        blocks (0 without an encoder): what the trainer adds to flops_per_token x tokens for MFU."""
+        if self.vision is None or layout is None:
+            return 0.0
+        return accounting.vision_encoder_batch_flops(self.cfg, [e - s for row in layout.visual for s, e in row])

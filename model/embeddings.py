@@ -75,9 +75,11 @@ class MultimodalEmbedding(nn.Module):
 
     def __init__(self, *, vocab_size: int, dim: int, patch_dim: int, tubelet_dim: int, patch_token_id: int,
                  visual_pos_max: int = 0, patch_stem: str = "linear", conv_stem_width: int = CONV_STEM_WIDTH,
-                 conv_stem_video: str = "channels"):
+                 conv_stem_video: str = "channels", visual_dim: int = 0):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, dim)
+        # the stem's output width: the decoder's, or a vision encoder's (model/vision_encoder.py)
+        self.visual_dim = visual_dim = visual_dim or dim
         self.patch_in, self.tubelet_in = patch_dim, tubelet_dim
         self.frames_per_tubelet = tubelet_dim // patch_dim
         self.frames_through_image_stem = False
@@ -95,8 +97,8 @@ class MultimodalEmbedding(nn.Module):
                 patch_dim, tubelet_dim = self.patch_stem.out_features, self.tubelet_stem.out_features
         else:
             self.patch_stem = self.tubelet_stem = None
-        self.patch = nn.Linear(patch_dim, dim, bias=False)
-        self.tubelet = nn.Linear(tubelet_dim, dim, bias=False)
+        self.patch = nn.Linear(patch_dim, visual_dim, bias=False)
+        self.tubelet = nn.Linear(tubelet_dim, visual_dim, bias=False)
         self.patch_token_id = patch_token_id
         self.visual_pos_max = visual_pos_max
         if visual_pos_max:
@@ -105,14 +107,17 @@ class MultimodalEmbedding(nn.Module):
             self.pos_w = nn.Embedding(visual_pos_max, dim)
 
     def forward(self, input_ids_BS: torch.Tensor, patches_PDp: torch.Tensor, patch_kind_P: torch.Tensor,
-                positions_B3S: torch.Tensor | None = None) -> torch.Tensor:
+                positions_B3S: torch.Tensor | None = None, encode=None) -> torch.Tensor:
         """No host sync and no data-dependent shape on an accelerator: every patch row is embedded
         by both projections and the one of its kind is kept (the other costs a small GEMM and keeps
         both weights in every step's graph); on the CPU each row goes through its own kind's
         projection only (`data_dependent_shapes_are_free`; an empty selection still puts the
         other projection in the graph). The k-th `<|patch|>` position takes row k through a
         cumulative count. Batch checks that need the data are device asserts. `positions_B3S`
-        is needed only with learned visual positions (`visual_pos_max > 0`)."""
+        is needed only with learned visual positions (`visual_pos_max > 0`). `encode`: late
+        fusion, a function from the stem's embeddings of the patch rows [P, visual_dim] to the
+        decoder's [P, D] (OmniModel.embed_inputs: the vision encoder); with no patch rows it runs
+        on none (its parameters join the graph) when gradients are on, and not at all otherwise."""
         x_BSD = self.tok(input_ids_BS)
         P = patches_PDp.shape[0] if patches_PDp is not None else 0
         if self.patch_token_id < 0:
@@ -133,6 +138,8 @@ class MultimodalEmbedding(nn.Module):
             if self.visual_pos_max:
                 none = input_ids_BS.new_zeros(0)
                 idle = idle + (self.pos_t(none).sum() + self.pos_h(none).sum() + self.pos_w(none).sum())
+            if encode is not None and torch.is_grad_enabled():
+                idle = idle + encode(x_BSD.new_zeros(0, self.visual_dim)).sum()
             return x_BSD + idle.to(x_BSD.dtype)
         need = max(self.patch_in, self.tubelet_in)
         if patches_PDp.shape[1] < need:
@@ -154,6 +161,8 @@ class MultimodalEmbedding(nn.Module):
             img_PD = self._image(patches_PDp[:, : self.patch_in].to(dt))
             vid_PD = self._video(patches_PDp[:, : self.tubelet_in].to(dt))
             emb_PD = torch.where((kind_P == IMAGE).unsqueeze(1), img_PD, vid_PD).to(x_BSD.dtype)
+        if encode is not None:
+            emb_PD = encode(emb_PD).to(x_BSD.dtype)
         row_T = (is_patch_T.cumsum(0) - 1).clamp(min=0)
         emb_TD = emb_PD.index_select(0, row_T)
         if self.visual_pos_max:

@@ -29,7 +29,8 @@ What each layer kind keeps (the rule for query i and key j of one document, mask
   query block chose are copied to the model's device (once per query block); the device keeps
   the index keys / block means and that working set.
 
-Generated tokens are text (causal); visual blocks come only from the prompt. One document per
+Generated tokens are text (causal); visual blocks come only from the prompt (with a vision
+encoder, `prefill` encodes them once; a step embeds its token alone and never runs the encoder). One document per
 row: the prompt starts at position 0 and attention never needs a document mask.
 """
 
@@ -227,9 +228,10 @@ class CachedDecoder:
             raise ValueError("batched prompts must share one layout (same length and last position); decode them one by one")
         self._check_offload()
         self.reset()
-        x_BSD = model.embed(input_ids, patches, patch_kind, positions)
-        cos_BSd, sin_BSd = model.rope(positions)
         doc_ids = torch.zeros_like(input_ids, dtype=torch.int32)
+        # with a vision encoder the prompt's visual blocks are encoded here, once: steps add text only
+        x_BSD = model.embed_inputs(input_ids, patches, patch_kind, positions, doc_ids, block_ids)
+        cos_BSd, sin_BSd = model.rope(positions)
         info = build_mask_info(doc_ids, block_ids, block_size=self.block_size, window=self.window)
         ctx = _PrefillContext(self, info, cfg.attention.backend, self.num_selected, x_BSD.device,
                               dense_b=model.dense_b_layers)

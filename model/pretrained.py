@@ -255,7 +255,9 @@ def _check_bounds(cfg, path: str = "model", config_name: str = CONFIG_NAME) -> N
                 if v != v or abs(v) == float("inf"):
                     raise ValueError(f"{key}={value} in {config_name} is not a finite number")
                 continue
-            low = -1 if f.name in _MAY_BE_MINUS_ONE else (0 if f.name in _MAY_BE_ZERO or isinstance(value, tuple) else 1)
+            # model.vision_encoder's sizes: 0 means sized from the decoder (VisionEncoderConfig.resolved)
+            may_be_zero = f.name in _MAY_BE_ZERO or isinstance(value, tuple) or path.endswith(".vision_encoder")
+            low = -1 if f.name in _MAY_BE_MINUS_ONE else (0 if may_be_zero else 1)
             if not low <= v <= _MAX_INT:
                 raise ValueError(f"{key}={value} in {config_name} is out of range (must be between {low} and "
                                  f"{_MAX_INT}); the file is corrupt or was not written by omniloom")
@@ -308,6 +310,11 @@ def check_config_against_shapes(cfg, shapes: dict[str, tuple[int, ...]], where, 
     layers = {int(k.split(".")[1]) for k in shapes if k.startswith("layers.") and k.split(".")[1].isdigit()}
     if cfg.num_layers != len(layers):  # checked first: building a huge layer count even on meta takes long
         raise ValueError(f"{where}: {config_name} says model.num_layers={cfg.num_layers}, the weights hold {len(layers)} layers")
+    enc_layers = {k.split(".")[2] for k in shapes if k.startswith("vision.layers.")}
+    enc_depth = cfg.vision_encoder.resolved(cfg).num_layers if cfg.vision_encoder.enabled else 0
+    if enc_depth != len(enc_layers):  # as for the decoder: a huge depth takes long to build even on meta
+        raise ValueError(f"{where}: {config_name} implies {enc_depth} model.vision_encoder layers, the weights hold "
+                         f"{len(enc_layers)}")
     with torch.device("meta"), _skip_meta_init():
         expected = {k: tuple(v.shape) for k, v in OmniModel(cfg).state_dict().items()}
     missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))

@@ -38,13 +38,23 @@ def _pattern_kinds(attention) -> str:
     return ", ".join(words[k] for k in "LGB" if k in attention.pattern.upper())
 
 
+def _vision_lines(m) -> list[str]:
+    """The card's line on late fusion (model.vision_encoder), none when the model fuses early."""
+    if not m.vision_encoder.enabled:
+        return []
+    enc = m.vision_encoder.resolved(m)
+    return [f"- late fusion: a vision encoder of {enc.num_layers} layer(s), width {enc.dim}, {enc.num_heads} heads, "
+            f"{enc.projector} projector, over each visual block"]
+
+
 def front_matter(cfg, *, license: str = "unknown") -> list[str]:
     """The YAML block the Hugging Face Hub reads from a README: license, library, pipeline, tags."""
     import re
 
     if not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", license):
         raise ValueError(f"--license {license!r} is not a Hub license id (lowercase, e.g. apache-2.0, mit, other)")
-    tags = ["omniloom", "multimodal", "early-fusion", "custom_code"]
+    fusion = "late-fusion" if cfg.model.vision_encoder.enabled else "early-fusion"
+    tags = ["omniloom", "multimodal", fusion, "custom_code"]
     if cfg.model.moe.num_experts > 1:
         tags.append("mixture-of-experts")
     if "B" in cfg.model.attention.pattern.upper():
@@ -74,6 +84,7 @@ def model_card(cfg, ckpt: Path, *, step: int, tokens_seen: int, num_params: int,
         f"- attention pattern `{m.attention.pattern}` ({_pattern_kinds(m.attention)})",
         f"- MoE: {m.moe.num_experts} experts, top-{m.moe.num_experts_per_token}, {m.moe.num_shared_experts} shared, "
         f"first {m.moe.num_dense_layers} layer(s) dense",
+        *_vision_lines(m),
         f"- weights: {dtype}, WEIGHT_FILES",
         "",
         "## Training",

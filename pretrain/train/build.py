@@ -183,6 +183,13 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return float(fn(seq_len)) if callable(fn) else 0.0
 
 
+def model_visual_flops(model: torch.nn.Module, layout) -> float:
+    """Training FLOPs the model spends on a batch beyond flops_per_token x tokens (a vision
+    encoder's, from the batch's host-side layout: OmniModel.visual_flops); 0 for other models."""
+    fn = getattr(model, "visual_flops", None)
+    return float(fn(layout)) if callable(fn) else 0.0
+
+
 def loader_metrics(loader) -> dict[str, float]:
     """The stream's own counters (skipped samples, padding, ...) under `data/`."""
     fn = getattr(loader, "metrics", None)

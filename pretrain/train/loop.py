@@ -55,10 +55,11 @@ log = logging.getLogger("omniloom.train")
 # micro-batches and ranks is the step's mean), the SUM_KEYS, then the per-modality CE sums and
 # label counts (summed), then per B layer the indexer's KL and the selection's coverage (means).
 MEAN_KEYS = ("loss", "ce_loss", "z_loss", "aux_loss", "router_z_loss", "out_norm", "indexer_loss")
-SUM_KEYS = ("stop", "tokens")
+SUM_KEYS = ("stop", "tokens", "visual_flops")
 _NSCALAR = len(MEAN_KEYS) + len(SUM_KEYS)
 _STOP = len(MEAN_KEYS) + SUM_KEYS.index("stop")
 _TOKENS = len(MEAN_KEYS) + SUM_KEYS.index("tokens")
+_VISUAL_FLOPS = len(MEAN_KEYS) + SUM_KEYS.index("visual_flops")
 
 
 @dataclasses.dataclass
@@ -169,6 +170,7 @@ class Trainer:
         elif init_from is not None:
             log.info("train.init_from=%s ignored: resuming from %s", init_from, resume)
         self.flops_per_token = B.model_flops_per_token(model, cfg.data.seq_len)
+        self._flops_model = model  # unwrapped: its visual_flops(layout) counts a vision encoder's per batch
         kinds = model.cfg.layer_kinds() if hasattr(getattr(model, "cfg", None), "layer_kinds") else []
         self.b_layers = [i for i, kind in enumerate(kinds) if kind == "B"]  # B-layer statistics are logged per layer
         self.has_indexer = bool(getattr(model.cfg, "has_indexer", False)) if kinds else False
@@ -351,6 +353,7 @@ class Trainer:
                                  per_batch[4]])
             acc_vec[: len(MEAN_KEYS)] += means
             acc_vec[_TOKENS] += float(batch.input_ids.numel())  # a scalar argument: no host-to-device copy
+            acc_vec[_VISUAL_FLOPS] += B.model_visual_flops(self._flops_model, layout)  # host-side, from the layout
             acc_vec[_NSCALAR:attn_at] += torch.cat([st.ce_sum_M.to(self.device), st.count_M.to(self.device)])
             if nb_layers and st.indexer_kl is not None:
                 acc_vec[attn_at:attn_at + nb_layers] += st.indexer_kl.to(self.device) / (accum * world)
@@ -527,7 +530,8 @@ class Trainer:
         tokens_per_s = w.tokens / max(w.wall, 1e-9)
         out["tokens_per_s"] = tokens_per_s
         out["tokens_per_s_per_device"] = tokens_per_s / self.acc.num_processes
-        u = mfu(self.flops_per_token, out["tokens_per_s_per_device"], self.peak_flops)
+        visual = w.visual_flops / max(w.wall, 1e-9) / self.acc.num_processes  # a vision encoder's FLOPs
+        u = mfu(self.flops_per_token, out["tokens_per_s_per_device"], self.peak_flops, visual)
         if u is not None:
             out["mfu"] = u
         phases = sum(w.phases.values())
@@ -693,7 +697,7 @@ class _Window:
     """Sums over the steps between two log lines."""
 
     def __init__(self):
-        self.steps, self.wall, self.tokens = 0, 0.0, 0.0
+        self.steps, self.wall, self.tokens, self.visual_flops = 0, 0.0, 0.0, 0.0
         self.sums = {k: 0.0 for k in MEAN_KEYS if k != "loss"}
         self.ce_sum_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
         self.count_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
@@ -705,6 +709,7 @@ class _Window:
         self.steps += 1
         self.wall += wall
         self.tokens += stats["tokens"]
+        self.visual_flops += stats["visual_flops"]
         for k in self.sums:
             self.sums[k] += stats[k]
         self.ce_sum_M += stats["ce_sum_M"]

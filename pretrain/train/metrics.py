@@ -55,11 +55,14 @@ def peak_flops_per_device(device: torch.device) -> float | None:
     return None
 
 
-def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | None) -> float | None:
-    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak (None without a peak)."""
+def mfu(flops_per_token: float, tokens_per_s_per_device: float, peak: float | None,
+        extra_flops_per_s_per_device: float = 0.0) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak (None without a peak).
+    `extra_flops_per_s_per_device`: FLOPs counted per batch rather than per token (a vision
+    encoder's, which depend on the batch's visual blocks)."""
     if not peak or not flops_per_token:
         return None
-    return flops_per_token * tokens_per_s_per_device / peak
+    return (flops_per_token * tokens_per_s_per_device + extra_flops_per_s_per_device) / peak
 
 
 def expert_balance(expert_counts_LME: torch.Tensor) -> dict[str, float]:

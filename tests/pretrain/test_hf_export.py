@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig
+from omniloom.model.config import AttentionConfig, ModelConfig, MoEConfig, VisionEncoderConfig
 from omniloom.tokenizers.testing import make_image_bytes, make_tiny_tokenizer, make_video_bytes
 from omniloom.tokenizers.text import Tokenizer
 
@@ -35,6 +35,9 @@ EXPORTS = {
     "indexer": dict(pattern="GBL", selector="indexer", modality_groups=False,
                     extra=dict(rope_layout="interleaved", visual_pos_max=16, patch_stem="conv", conv_stem_width=8,
                                conv_stem_video="frames")),
+    # issue 42's late fusion: a vision encoder over each visual block, carried in the remote code
+    "encoder": dict(pattern="LGB", selector="pooled", modality_groups=False,
+                    extra=dict(vision_encoder=VisionEncoderConfig(enabled=True, dim=16, num_heads=2, num_layers=2))),
 }
 LAYER_TASKS = ("omniloom_absent", "load", "logits", "loss_grads", "generate")
 TEXT_PROMPT = "The river bends twice"

@@ -167,7 +167,7 @@ def remote_code_files(version: str) -> dict[str, str]:
     deps_of: dict[str, set[str]] = {}
 
     def add(stem: str, allowed: frozenset[str]) -> None:
-        if stem in files:
+        if f"{stem}.py" in files:  # copied already (modules may import each other, lazily: config <-> accounting)
             return
         if stem in stand_ins:
             text = stand_ins[stem].read_text()
