@@ -35,7 +35,7 @@ class SourceConfig:
     name: str = ""
     # Where the manifest lives when it cannot be found beside the shards (pipe: specs, buckets).
     manifest: str = ""
-    # A schedule (training sources only; docs/data-format.md section 5): the source is drawn from
+    # A schedule (training sources only; README "Schedules and a text-first start"): drawn from
     # training step `start_step` on, and before `end_step` (0: to the end). At a step, the weights
     # renormalize over the sources active then.
     start_step: int = 0

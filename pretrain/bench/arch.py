@@ -386,7 +386,8 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--videos", type=int, default=400, help="synthetic training clips of the demo corpus (default 400)")
     p.epilog = ("Example (smoke): omniloom bench arch --out /tmp/arch --budget-flops 3e11 model.dim=64 model.num_heads=2; "
                 "larger: omniloom bench arch --out arch --seeds 3 --sizes 96,128,192 --budget-flops 2e13 --images 6400 --videos 4800")
-    p.set_defaults(func=_bench_arch)
+    # not among `omniloom bench` (all): it trains every arm for minutes to hours, into --out
+    p.set_defaults(func=_bench_arch, in_bench_all=False)
 
 
 def _bench_arch(args) -> int:
