@@ -11,7 +11,7 @@ num_samples]], schedule?: [[start_step, end_step, [modality, ...]]] per source, 
 step?: [training step of the next batch, batches of that step already consumed], workers: [one per worker: None or {rng, cursors: [[epoch, pos]]
 per source, pending?: per source [[epoch, [[lo, hi], ...]], ...], shuffle: [[source, epoch, g]],
 packer: [[[source, epoch, g], piece]], skipped: {reason: n}, token_stats: {name: n}, docs,
-batches}]}.
+batches, barren?: [source]}]}.
 """
 
 from __future__ import annotations
@@ -137,6 +137,8 @@ def check_loader_state(state, who: str = "data-loader state") -> None:
             _int(idx, f"{at}.packer[{k}] piece", 0)
         _counts(ws["skipped"], f"{at}.skipped")
         _counts(ws.get("token_stats", {}), f"{at}.token_stats")
+        for k, src in enumerate(_list(ws.get("barren", []), f"{at}.barren")):
+            _int(src, f"{at}.barren[{k}] source", 0, len(sizes))
         _int(ws["docs"], f"{at}.docs")
         _int(ws["batches"], f"{at}.batches")
         try:

@@ -182,6 +182,8 @@ def plan(preset: str, base: list[str], arms: list[Arm], sizes: list[int], seeds:
             try:
                 planned = [plan_point(preset, base, arm, size, seed, budget) for seed in range(seeds)]
             except ConfigError as err:
+                if "unknown key" not in str(err):
+                    raise
                 say(f"arm {arm.name} skipped: this omniloom's config cannot express it ({err})")
                 break
             for p in planned:
@@ -391,6 +393,8 @@ def register_bench(bench_sub) -> None:
 
 
 def _bench_arch(args) -> int:
+    if "=" in args.preset:  # only overrides were given: they are not a preset
+        args.overrides, args.preset = [args.preset, *args.overrides], "demo"
     if args.seeds < 1:
         raise ValueError("--seeds must be >= 1")
     arms = [parse_arm(a.strip()) for a in args.arms.split(",") if a.strip()] + [parse_arm(a) for a in args.arm]

@@ -174,3 +174,28 @@ def test_a_text_only_source_skips_visual_documents_counted(shards):
     for batch, _ in zip(loader, range(12)):
         assert not torch.isin(batch.modality, torch.tensor(VISUAL, dtype=batch.modality.dtype)).any()
     assert loader.skipped().get("outside_modalities", 0) > 0
+
+
+def test_a_text_first_source_without_text_documents_is_drawn_no_more(tmp_path, shards):
+    """The demo's synthetic set has no document without an image or video: under text-first its
+    copy is found barren (a warning), the other source's text feeds the steps before the switch,
+    and the barren mark is part of the state (an exact resume draws as the uninterrupted run)."""
+    visual = write_shards(str(tmp_path / "v"), (d for d in synthetic_documents(200, seed=4, image_frac=1.0)), name="v",
+                          docs_per_shard=[10])
+    def loader(states=None):
+        cfg = DataConfig(sources=[SourceConfig(path=visual, weight=1000), SourceConfig(path=shards)], text_first_steps=5,
+                         seq_len=256, batch_size=2, num_workers=0, shuffle_buffer=4, pack_buffer=4, seed=1)
+        ld = build_loader(cfg, TOK, patch_dim=TOK.tubelet_dim)
+        if states is not None:
+            ld.load_state_dict(json.loads(json.dumps(states)))
+        return ld
+    whole, _ = _take([loader()], 12)
+    assert all(g[2] == 0 for g in whole if g[1] < 5) and any(g[2] for g in whole)
+    head, states = _take([loader()], 3)
+    assert states[0]["workers"][0]["barren"] == [0]
+    tail, _ = _take([loader(states[0])], 9)
+    assert [g[3] for g in head + tail] == [g[3] for g in whole]
+    bad = json.loads(json.dumps(states[0]))
+    bad["workers"][0]["barren"] = [9]
+    with pytest.raises(LoaderStateError, match="barren"):
+        check_loader_state(bad)
