@@ -226,14 +226,30 @@ def _train(argv: list[str], log_path: Path) -> int:
 
 
 def _evaluate(run: Path, heldout: str, out: Path, *, max_docs: int, probes: bool) -> None:
-    """What `omniloom eval RUN --data HELDOUT --captions --out OUT` writes (pretrain/inference)."""
+    """What `omniloom eval RUN --data SET --captions` gives (pretrain/inference), for each held-out
+    set separately (so `max_docs` cuts each, and the text-only set is always scored), merged:
+    `loss` per modality weighted by tokens, `loss_by_doc_kind` likewise where known, `captions`
+    over every set, and each set's own result under `sets`."""
     from omniloom.pretrain.inference.captions import caption_benchmark
     from omniloom.pretrain.inference.evaluate import evaluate, json_safe
     from omniloom.pretrain.inference.load import open_model
 
     model, tok, seq_len = open_model(str(run), device="cpu")
-    result = evaluate(model, tok, heldout, max_docs=max_docs or None, max_len=seq_len, progress=False)
-    result["captions"] = caption_benchmark(model, tok, heldout, max_docs=max_docs or None, probes=probes)
+    sets = {}
+    for path in [h for h in heldout.split(",") if h]:
+        sets[path] = evaluate(model, tok, path, max_docs=max_docs or None, max_len=seq_len, progress=False)
+    loss: dict = {}
+    for m in {k for r in sets.values() for k in r["loss"]}:
+        have = [(r["loss"][m], r["counts"]["tokens"].get(m, 0)) for r in sets.values() if m in r["loss"]]
+        total = sum(n for _, n in have)
+        loss[m] = sum(v * n for v, n in have) / total if total else sum(v for v, _ in have) / len(have)
+    kinds: dict = {}
+    for kind in {k for r in sets.values() for k in r.get("loss_by_doc_kind", {})}:
+        vals = [r["loss_by_doc_kind"][kind] for r in sets.values() if r["loss_by_doc_kind"].get(kind) is not None]
+        if vals:
+            kinds[kind] = sum(vals) / len(vals)
+    result = {"loss": loss, "loss_by_doc_kind": kinds, "sets": sets,
+              "captions": caption_benchmark(model, tok, heldout, max_docs=max_docs or None, probes=probes)}
     result, _ = json_safe(result)
     out.write_text(json.dumps(result, indent=1, sort_keys=True, allow_nan=False) + "\n")
 

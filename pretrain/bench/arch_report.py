@@ -53,7 +53,8 @@ def _spread(values: list[float]) -> dict:
 def _columns(keys: set[str]) -> list[tuple[str, str]]:
     cols = [("params", "params"), ("active_params", "active"), ("flops_per_token", "FLOPs/token"), ("steps", "steps"),
             ("train_flops", "train FLOPs"), ("tokens_per_s", "tokens/s")]
-    cols += [(f"loss/{m}", f"loss {m}") for m in MODALITIES]
+    # image and video tokens carry no loss (patch positions have no target): their columns only if some run has them
+    cols += [(f"loss/{m}", f"loss {m}") for m in MODALITIES if m in ("all", "text", "code") or f"loss/{m}" in keys]
     cols += [("loss/text_only_docs", "loss text-only docs")]
     cols += [(k, k.replace("exact/", "exact ")) for k in sorted(k for k in keys if k.startswith("exact/"))]
     cols += [(k, k.replace("attr/", "").replace("/", " ")) for k in sorted(k for k in keys if k.startswith("attr/"))]
