@@ -13,10 +13,17 @@ A source names one shard set. How `path` / `manifest` are resolved (see data/str
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
+
+
+# The segment types of a document (docs/data-format.md section 1), as `SourceConfig.modalities` names them.
+SEGMENT_TYPES = ("text", "code", "image", "video")
+# What a text-first start trains on before its switch step.
+TEXT_FIRST_MODALITIES = ["text", "code"]
 
 
 @dataclass(kw_only=True)
@@ -29,12 +36,38 @@ class SourceConfig:
     name: str = ""
     # Where the manifest lives when it cannot be found beside the shards (pipe: specs, buckets).
     manifest: str = ""
+    # A schedule (training sources only; README "Schedules and a text-first start"): drawn from
+    # training step `start_step` on, and before `end_step` (0: to the end). At a step, the weights
+    # renormalize over the sources active then.
+    start_step: int = 0
+    end_step: int = 0
+    # Only documents whose every segment is of these types ("text", "code", "image", "video");
+    # the others are skipped, counted as skipped/outside_modalities. Empty: every document.
+    modalities: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.path and not self.manifest:
             raise ValueError("a data source needs `path` (shard directory, brace pattern, URL or pipe: spec)")
         if not (self.weight > 0 and math.isfinite(self.weight)):
             raise ValueError(f"source '{self.path}': weight must be a positive number, got {self.weight}")
+        if self.start_step < 0 or self.end_step < 0:
+            raise ValueError(f"source '{self.label}': start_step and end_step must be >= 0 (end_step 0: no end), "
+                             f"got {self.start_step} and {self.end_step}")
+        if self.end_step and self.end_step <= self.start_step:
+            raise ValueError(f"source '{self.label}': end_step={self.end_step} must be past start_step={self.start_step} "
+                             "(or 0 for no end)")
+        unknown = sorted(set(self.modalities) - set(SEGMENT_TYPES))
+        if unknown:
+            raise ValueError(f"source '{self.label}': modalities {unknown} are not segment types; use any of "
+                             f"{list(SEGMENT_TYPES)} (empty: every document)")
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the source has a schedule or a modality filter (it then enters the data fingerprint)."""
+        return bool(self.start_step or self.end_step or self.modalities)
+
+    def active_at(self, step: int) -> bool:
+        return self.start_step <= step and (not self.end_step or step < self.end_step)
 
     @classmethod
     def list_from_text(cls, text: str) -> list[dict]:
@@ -74,6 +107,33 @@ class SourceConfig:
         return self.name or self.path or self.manifest
 
 
+def check_schedule(sources: list[SourceConfig], what: str = "data.sources") -> None:
+    """Refuse a schedule that leaves some training step without any active source."""
+    points = sorted({0, *(s.end_step for s in sources if s.end_step)})
+    for step in points:
+        if not any(s.active_at(step) for s in sources):
+            starts = sorted({s.start_step for s in sources if s.start_step > step})
+            raise ValueError(f"{what}: no source is active at training step {step} (each source is drawn from its "
+                             f"start_step to its end_step); {'the next starts at step ' + str(starts[0]) if starts else 'none starts later'}: "
+                             "give one source start_step <= that step or a later end_step")
+
+
+def text_first_sources(sources: list[SourceConfig], steps: int) -> list[SourceConfig]:
+    """`data.text_first_steps=N` written out: each source becomes a text-and-code-only copy drawn
+    before step N (its documents with an image or video skipped) and the source itself from N on,
+    at its own weight both times. The copy ends at N so that, after the switch, text is not drawn
+    twice over (the mix is then exactly the configured one)."""
+    out = []
+    for s in sources:
+        if s.scheduled:
+            raise ValueError(f"data.text_first_steps={steps} writes the schedule of every source, but source "
+                             f"'{s.label}' has its own (start_step, end_step or modalities): set one or the other")
+        out.append(dataclasses.replace(s, name=f"{s.label} [text+code]", modalities=list(TEXT_FIRST_MODALITIES),
+                                       end_step=steps))
+        out.append(dataclasses.replace(s, start_step=steps))
+    return out
+
+
 # The smallest `data.doc_cache_mb` that is not 0 (off): 1 KiB, which holds about one document's
 # bookkeeping (data/stream/doc_cache.py); less rounds to a budget of no bytes at all.
 MIN_DOC_CACHE_MB = 1 / 1024
@@ -105,6 +165,17 @@ class DataConfig:
     # in a later epoch is neither re-read nor re-decoded (data/stream/doc_cache.py); 0 = off. Worth it for
     # small corpora read for many epochs (the demo); the batches are identical either way.
     doc_cache_mb: float = 0.0
+    # A text-first start (the "bolt vision on later" recipe): before this training step only the
+    # text and code documents of every source are drawn, from it on the full mix; 0: off. It
+    # expands to a schedule per source (`train_sources`; SourceConfig.start_step / end_step /
+    # modalities), which may also be written by hand instead.
+    text_first_steps: int = 0
+
+    def train_sources(self) -> list[SourceConfig]:
+        """The training sources as drawn: `sources`, with `text_first_steps` written out."""
+        if self.text_first_steps:
+            return text_first_sources(self.sources, self.text_first_steps)
+        return list(self.sources)
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "batch_size", "shuffle_buffer", "pack_buffer", "prefetch_factor"):
@@ -120,6 +191,14 @@ class DataConfig:
                              f"({MIN_DOC_CACHE_MB} MB) per loader worker; use 0 to turn the cache off, or a budget of at least that")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.text_first_steps < 0:
+            raise ValueError(f"data.text_first_steps must be >= 0 (0: off), got {self.text_first_steps}")
+        if self.sources:
+            check_schedule(self.train_sources())
+        for s in self.eval_sources:
+            if s.start_step or s.end_step:
+                raise ValueError(f"data.eval_sources: source '{s.label}' has a start_step or end_step; an evaluation "
+                                 "has no training steps (modalities may filter it)")
 
 
 def check_visual_budget(seq_len: int, *, max_image_patches: int = 0, max_video_patches: int = 0) -> list[str]:

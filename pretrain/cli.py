@@ -106,8 +106,11 @@ def _bench_all(args, bench_sub) -> int:
         return 1
     rows, sections, status = [], [], 0
     for name in names:
-        print(f"\n== omniloom bench {name} ==", flush=True)
         sub_args = bench_sub.choices[name].parse_args([])
+        if not getattr(sub_args, "in_bench_all", True):  # an experiment of its own (bench arch: many trainings)
+            print(f"\n== omniloom bench {name} == skipped: it runs on its own (omniloom bench {name})", flush=True)
+            continue
+        print(f"\n== omniloom bench {name} ==", flush=True)
         sub_args.verbose, sub_args.quiet = args.verbose, args.quiet
         tee = _Tee(sys.stdout)
         start = time.perf_counter()

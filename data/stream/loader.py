@@ -51,6 +51,7 @@ from omniloom.tokenizers.layout import MODALITY_NAMES, TokenizedDoc
 from .cursor import SourceCursor as _SourceCursor
 from .doc_cache import DocCache
 from .reader import SampleError, SampleReader, ShardSet, resolve_source
+from .schedule import OUTSIDE_MODALITIES, SourceSchedule, StepClock
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,16 @@ class WorkerStream:
     """The deterministic pipeline of one slot. `next_batch()` -> (PackedBatch, counts)."""
 
     def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, slot: int,
-                 num_slots: int, pad_id: int, patch_dim: int, cache_mb: float = 0):
+                 num_slots: int, pad_id: int, patch_dim: int, cache_mb: float = 0,
+                 schedule: SourceSchedule | None = None):
         self.cfg, self.tokenize_fn, self.slot = cfg, tokenize_fn, slot
+        # sources drawn per training step and their modality filters (data/stream/schedule.py);
+        # `step` is the training step of the batch being built, set by StreamDataset
+        self.schedule = schedule if schedule is not None and schedule.fingerprint() is not None else None
+        self.step = 0
+        # filtered sources with no document their modalities take in this slot's whole epoch (the
+        # demo's synthetic set under text-first): drawn no more; saved, rediscovered on another layout
+        self.barren: set[int] = set()
         # tokenized documents kept for later epochs (data/stream/doc_cache.py); not part of the state
         self.cache = DocCache(int(cache_mb * 2**20), cfg.patch_dtype) if cache_mb > 0 else None
         self.pad_id, self.patch_dim = pad_id, patch_dim
@@ -181,15 +190,61 @@ class WorkerStream:
         doc, media = cursor.read(ref[1], ref[2])
         return Drawn(ref, doc, media, None, ident)
 
+    def _pick_source(self) -> int:
+        if self.schedule is None:
+            return int(self.rng.choice(len(self.weights), p=self.weights)) if len(self.weights) > 1 else 0
+        p, active = self.schedule.at(self.step)
+        if self.barren & set(active):
+            active = [i for i in active if i not in self.barren]
+            if not active:
+                raise StreamDataError(f"slot {self.slot}: at training step {self.step} no active source has a document its "
+                                      "modalities take (a text-first start needs text or code documents without images "
+                                      "or videos in some source)")
+            p = p.copy()
+            p[sorted(self.barren)] = 0.0
+            p /= p.sum()
+        return int(self.rng.choice(len(p), p=p)) if len(active) > 1 else active[0]
+
+    def _admitted(self, drawn: Drawn) -> bool:
+        """Whether the source's modality filter takes the drawn document; a document it leaves
+        out is counted (not logged) and, with the cache, remembered as such, so a cached draw
+        decides as a read one does."""
+        src = drawn.ref[0]
+        if self.schedule is None or self.schedule.modalities[src] is None:
+            return True
+        if drawn.entry is not None:
+            admitted = not (drawn.entry[0] == "skip" and drawn.entry[1] == OUTSIDE_MODALITIES)
+        else:
+            why = self.schedule.outside(src, drawn.doc)
+            if why is not None and self.cache is not None:
+                self.cache.store_skip(self._cache_key(drawn.ref), drawn.ident, OUTSIDE_MODALITIES, why)
+            admitted = why is None
+        if not admitted:
+            self.skipped[OUTSIDE_MODALITIES] += 1
+        return admitted
+
     def _draw_sample(self) -> Drawn:
-        src = int(self.rng.choice(len(self.weights), p=self.weights)) if len(self.weights) > 1 else 0
-        cursor = self.cursors[src]
+        while True:
+            drawn = self._draw_from(self.cursors[self._pick_source()])
+            if drawn is not None:
+                return drawn
+
+    def _draw_from(self, cursor) -> Drawn | None:
+        """The next sample of the cursor's source; None when a filtered source proved barren."""
         for _ in range(cursor.attempts_left_bound()):
             ref = cursor.next_ref()
             try:
-                return self._drawn(ref)
+                drawn = self._drawn(ref)
             except SampleError as err:
                 self._skip(err.reason, err, ref)
+                continue
+            if self._admitted(drawn):
+                return drawn
+        if self.schedule is not None and self.schedule.modalities[cursor.src_idx] is not None:
+            self.barren.add(cursor.src_idx)
+            log.warning("source '%s': no document its modalities take in a whole epoch of slot %d; it is drawn no more "
+                        "by this slot (skips so far: %s)", cursor.set.label, self.slot, dict(self.skipped))
+            return None
         raise StreamDataError(f"source '{cursor.set.label}': not one readable sample in a whole epoch of slot "
                            f"{self.slot}; check the shards (skips so far: {dict(self.skipped)})")
 
@@ -287,6 +342,7 @@ class WorkerStream:
             "token_stats": dict(self.token_stats),
             "docs": self.docs,
             "batches": self.batches,
+            **({"barren": sorted(self.barren)} if self.barren else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -298,6 +354,7 @@ class WorkerStream:
         self.skipped = Counter(state["skipped"])
         self.token_stats = Counter(state.get("token_stats", {}))
         self.docs, self.batches = int(state["docs"]), int(state["batches"])
+        self.barren = {int(i) for i in state.get("barren", [])}
         self.shuffle = []
         for ref in map(tuple, state["shuffle"]):
             try:
@@ -340,8 +397,10 @@ class StreamDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, rank: int,
                  world_size: int, pad_id: int, patch_dim: int, states: list[dict | None], consumed: int,
-                 max_batches: int | None, cache_mb: float = 0):
+                 max_batches: int | None, cache_mb: float = 0, schedule: SourceSchedule | None = None,
+                 clock: StepClock = StepClock()):
         self.sets, self.cfg, self.tokenize_fn, self.cache_mb = sets, cfg, tokenize_fn, cache_mb
+        self.schedule, self.clock = schedule, clock
         self.rank, self.world_size, self.pad_id, self.patch_dim = rank, world_size, pad_id, patch_dim
         self.states, self.consumed, self.max_batches = states, consumed, max_batches
         self.num_logical = max(cfg.num_workers, 1)
@@ -356,13 +415,14 @@ class StreamDataset(torch.utils.data.IterableDataset):
         logical = (physical + self.consumed) % self.num_logical
         stream = WorkerStream(self.sets, self.cfg, self.tokenize_fn, slot=self.rank * self.num_logical + logical,
                               num_slots=self.world_size * self.num_logical, pad_id=self.pad_id,
-                              patch_dim=self.patch_dim, cache_mb=self.cache_mb)
+                              patch_dim=self.patch_dim, cache_mb=self.cache_mb, schedule=self.schedule)
         if self.states[logical] is not None:
             stream.load_state_dict(self.states[logical])
         index = _first_batch_index(self.consumed, logical, self.num_logical)
         assert stream.batches * self.num_logical + logical == index, "worker state and batch index disagree"
         try:
             while self.max_batches is None or index < self.max_batches:
+                stream.step = self.clock.step_of(index)
                 batch, counts = stream.next_batch()
                 meta = {"worker": logical, "index": index, "state": stream.state_dict(), "counts": counts,
                         "pieces": stream.last_pieces,
@@ -401,8 +461,10 @@ class StreamLoader:
 
     def __init__(self, sets: list[ShardSet], cfg: DataConfig, tokenize_fn: TokenizeFn, *, rank: int,
                  world_size: int, pad_id: int, patch_dim: int, max_batches: int | None = None,
-                 pin_memory: bool = False, split: str = "train"):
+                 pin_memory: bool = False, split: str = "train", schedule: SourceSchedule | None = None,
+                 batches_per_step: int = 1):
         self.sets, self.cfg, self.tokenize_fn = sets, cfg, tokenize_fn
+        self.schedule, self.batches_per_step = schedule, batches_per_step
         self.rank, self.world_size, self.pad_id, self.patch_dim = rank, world_size, pad_id, patch_dim
         self.max_batches, self.pin_memory, self.split = max_batches, pin_memory, split
         self.num_logical = max(cfg.num_workers, 1)
@@ -419,6 +481,12 @@ class StreamLoader:
         self.last_window: dict | None = None  # the raw counts of the window `metrics` last reported
         self.last_pieces: list = []  # [[source, epoch, global index], piece] of each piece of the last batch
         self.resumed_from: tuple[int, int] | None = None  # (world_size, workers) of an elastic resume
+        self.clock = StepClock(self.batches_per_step)  # training step of each batch (data/stream/schedule.py)
+
+    @property
+    def step(self) -> int:
+        """The training step the next batch belongs to (batches counted in steps of `batches_per_step`)."""
+        return self.clock.step_of(self.consumed)
 
     def __len__(self) -> int:
         if self.max_batches is None:
@@ -432,7 +500,8 @@ class StreamLoader:
                            pad_id=self.pad_id, patch_dim=self.patch_dim, states=list(self._states),
                            consumed=self.consumed, max_batches=self.max_batches,
                            # an evaluation pass reads each document once: nothing to reuse
-                           cache_mb=self.cfg.doc_cache_mb if self.split == "train" else 0)
+                           cache_mb=self.cfg.doc_cache_mb if self.split == "train" else 0,
+                           schedule=self.schedule, clock=self.clock)
         if self.cfg.num_workers == 0:
             items: Iterator = iter(ds)
         else:
@@ -536,18 +605,23 @@ class StreamLoader:
     # -- state ---------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         c = self.cfg
+        schedule = self.schedule.fingerprint() if self.schedule is not None else None
         return {
             "split": self.split,
             "sources": [[s.label, s.weight, s.num_samples] for s in self.sets],
             "seq_len": c.seq_len, "batch_size": c.batch_size, "seed": c.seed,
             "shuffle_buffer": c.shuffle_buffer, "pack_buffer": c.pack_buffer,
             "world_size": self.world_size, "num_workers": c.num_workers,
+            # per source [start_step, end_step, modalities]; only when some source has one, so a
+            # state saved before schedules existed still matches an unscheduled config
+            **({"schedule": schedule} if schedule is not None else {}),
         }
 
     def state_dict(self) -> dict:
         """Everything needed to continue exactly after the last consumed batch (plain data)."""
         return {"version": STATE_VERSION, "rank": self.rank, "fingerprint": self._fingerprint(),
-                "consumed": self.consumed, "workers": copy.deepcopy(self._states)}
+                "consumed": self.consumed, "step": self.clock.position(self.consumed),
+                "workers": copy.deepcopy(self._states)}
 
     def load_state_dict(self, state: dict | list[dict], *, sources: str = "exact") -> None:
         """Continue from `state`: this rank's saved state, or the list of every saved rank's state.
@@ -579,9 +653,10 @@ class StreamLoader:
         # size (cursors, buffers by reference, the RNG), so the rows go on as they would have, cut
         # into batches of the new size: none lost, none repeated (docs/resume.md)
         free = (*layout, "batch_size")
-        diff = [k for k in new if k not in free and json_safe(old.get(k)) != json_safe(new[k])]
+        # "schedule" either way: a schedule added or dropped since the save changes the batches
+        diff = [k for k in {**new, "schedule": None} if k not in free and json_safe(old.get(k)) != json_safe(new.get(k))]
         if diff:
-            details = "; ".join(f"{k}: saved {old.get(k)!r}, now {new[k]!r}" for k in diff)
+            details = "; ".join(f"{k}: saved {old.get(k)!r}, now {new.get(k)!r}" for k in diff)
             if diff == ["sources"] and sources != "keep_unchanged":
                 advice = ("resume with the sources it was saved with, or with checkpoint.resume_data=keep_unchanged "
                           "(the unchanged sources go on where they were, the others start) or =restart (all data anew)")
@@ -598,6 +673,7 @@ class StreamLoader:
                 raise ValueError(f"data-loader state of rank {states[0]['rank']} given to rank {self.rank}")
             self._states = copy.deepcopy(mine[0]["workers"])
             self.consumed = int(mine[0]["consumed"])
+            self.clock = StepClock(self.batches_per_step).resumed(self.consumed, mine[0].get("step"))
             self._docs_seen = [st["docs"] if st else 0 for st in self._states]
             self.resumed_from = None
             return
@@ -620,6 +696,8 @@ class StreamLoader:
                                 world_size=self.world_size, num_workers=self.cfg.num_workers)
         self._states = per_rank[self.rank]
         self.consumed = 0
+        # every rank saved the same step (they consume in lockstep): the new batches go on from it
+        self.clock = StepClock(self.batches_per_step).resumed(0, states[0].get("step"))
         self._docs_seen = [0] * self.num_logical
         self.resumed_from = (int(old["world_size"]), max(int(old["num_workers"]), 1))
         if self.rank == 0:
@@ -632,8 +710,9 @@ class StreamLoader:
         """The saved states rewritten for this run's mix of sources (data/stream/remix.py)."""
         from .remix import describe, plan, remap_states
 
-        old, new = states[0]["fingerprint"]["sources"], self._fingerprint()["sources"]
-        if json_safe(old) == json_safe(new):
+        mine = self._fingerprint()
+        old, new = states[0]["fingerprint"]["sources"], mine["sources"]
+        if json_safe(old) == json_safe(new) and json_safe(states[0]["fingerprint"].get("schedule")) == json_safe(mine.get("schedule")):
             return states
         world = int(states[0]["fingerprint"]["world_size"])
         if sorted(int(st["rank"]) for st in states) != list(range(world)):
@@ -642,7 +721,8 @@ class StreamLoader:
         self.remixed = describe(old, new, plan(old, new))
         if self.rank == 0:
             log.info("data mix changed on resume (checkpoint.resume_data=keep_unchanged): %s", self.remixed)
-        return remap_states(states, new, [[sh.num_samples for sh in s.shards] for s in self.sets], self.cfg.seed)
+        return remap_states(states, new, [[sh.num_samples for sh in s.shards] for s in self.sets], self.cfg.seed,
+                            mine.get("schedule"))
 
     def _upgrade(self, state: dict) -> dict:
         from .elastic import upgrade_state
@@ -710,7 +790,8 @@ def _log_visual_budget(seq_len: int, settings, rank: int) -> None:
 
 def build_loader(data_cfg: DataConfig, tokenize_fn: TokenizeFn | None = None, *, rank: int = 0,
                  world_size: int = 1, split: str = "train", max_batches: int | None = None,
-                 pin_memory: bool = False, pad_id: int | None = None, patch_dim: int | None = None) -> StreamLoader:
+                 pin_memory: bool = False, pad_id: int | None = None, patch_dim: int | None = None,
+                 batches_per_step: int = 1) -> StreamLoader:
     """The per-rank PackedBatch loader for `split` ("train": data_cfg.sources, "eval": eval_sources).
 
     tokenize_fn(doc_json, media_by_ref) -> TokenizedDoc defaults to the tokenizer in
@@ -718,13 +799,15 @@ def build_loader(data_cfg: DataConfig, tokenize_fn: TokenizeFn | None = None, *,
     video tubelet_dim) default to that tokenizer's. Errors at start (ValueError/FileNotFoundError):
     no sources, a missing manifest or shard, a source with zero samples or fewer samples than
     world_size x num_workers. Use max_batches for a finite pass (evaluation: the same count on every
-    rank); without it the stream is endless (epochs advance per source).
+    rank); without it the stream is endless (epochs advance per source). `batches_per_step` (the
+    trainer's gradient accumulation) turns the batches the rank consumes into training steps for
+    the sources' schedules (start_step, end_step, data.text_first_steps: data/stream/schedule.py).
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not (0 <= rank < world_size):
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
-    sources: list[SourceConfig] = data_cfg.sources if split == "train" else data_cfg.eval_sources
+    sources: list[SourceConfig] = data_cfg.train_sources() if split == "train" else data_cfg.eval_sources
     if not sources:
         raise ValueError(f"data.{'sources' if split == 'train' else 'eval_sources'} is empty; name at least one "
                          "shard set (a directory with manifest.json, a brace pattern or a URL)")
@@ -755,5 +838,8 @@ def build_loader(data_cfg: DataConfig, tokenize_fn: TokenizeFn | None = None, *,
         if s.num_samples < num_slots:
             raise ValueError(f"source '{s.label}' has {s.num_samples} samples, fewer than the {num_slots} reader "
                              "slots (world_size x num_workers); use fewer workers or add data")
+    if batches_per_step < 1:
+        raise ValueError(f"batches_per_step must be >= 1, got {batches_per_step}")
     return StreamLoader(sets, data_cfg, tokenize_fn, rank=rank, world_size=world_size, pad_id=pad_id,
-                        patch_dim=patch_dim, max_batches=max_batches, pin_memory=pin_memory, split=split)
+                        patch_dim=patch_dim, max_batches=max_batches, pin_memory=pin_memory, split=split,
+                        schedule=SourceSchedule(sources), batches_per_step=batches_per_step)

@@ -101,10 +101,12 @@ def _translate_ref(ref, old: _Orders, new: _Orders, j: int) -> list:
     return [j, epoch, lo]
 
 
-def remap_states(states: list[dict], new_sources: list, shard_counts: list[list[int]], seed: int) -> list[dict]:
-    """Every saved rank's state rewritten for the new mix (fingerprint sources replaced): kept
-    sources continue, others start fresh. `shard_counts[j]`: the samples of each shard of new
-    source j (the kept sources' shards are the saved ones: same label, same sample count)."""
+def remap_states(states: list[dict], new_sources: list, shard_counts: list[list[int]], seed: int,
+                 schedule: list | None = None) -> list[dict]:
+    """Every saved rank's state rewritten for the new mix (fingerprint sources and `schedule`, the
+    new per-source schedule or None, replaced): kept sources continue, others start fresh.
+    `shard_counts[j]`: the samples of each shard of new source j (the kept sources' shards are the
+    saved ones: same label, same sample count)."""
     old_sources = states[0]["fingerprint"]["sources"]
     kept = plan(old_sources, new_sources)
     fp = states[0]["fingerprint"]
@@ -127,6 +129,9 @@ def remap_states(states: list[dict], new_sources: list, shard_counts: list[list[
     for state in states:
         state = copy.deepcopy(state)
         state["fingerprint"]["sources"] = [list(e) for e in new_sources]
+        state["fingerprint"].pop("schedule", None)
+        if schedule is not None:
+            state["fingerprint"]["schedule"] = copy.deepcopy(schedule)
         for w, ws in enumerate(state["workers"]):
             slot = int(state["rank"]) * workers + w
             if ws is None:
@@ -156,6 +161,8 @@ def remap_states(states: list[dict], new_sources: list, shard_counts: list[list[
                 cursors[j] = [epoch, 0]
                 pending[j] = [[e, [list(iv) for iv in ivs]] for e, ivs in sorted(seqs.items())]
             ws["cursors"], ws["pending"] = cursors, pending
+            if ws.get("barren"):  # filtered sources found empty (data/stream/schedule.py), by index
+                ws["barren"] = sorted(kept[int(i)] for i in ws["barren"] if int(i) in kept)
             ws["shuffle"] = [_translate_ref(ref, *orders[int(ref[0])], kept[int(ref[0])]) for ref in ws["shuffle"]
                              if int(ref[0]) in kept]
             ws["packer"] = [[_translate_ref(ref, *orders[int(ref[0])], kept[int(ref[0])]), int(idx)]

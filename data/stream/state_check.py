@@ -7,10 +7,11 @@ front with one line naming the field, as the loader already refuses another data
 
 Layout checked (state version 2; a version-1 state is checked for its shape, then upgraded, then
 checked whole): {version, rank, fingerprint: {world_size, num_workers, sources: [[label, weight,
-num_samples]], ...}, consumed, workers: [one per worker: None or {rng, cursors: [[epoch, pos]]
+num_samples]], schedule?: [[start_step, end_step, [modality, ...]]] per source, ...}, consumed,
+step?: [training step of the next batch, batches of that step already consumed], workers: [one per worker: None or {rng, cursors: [[epoch, pos]]
 per source, pending?: per source [[epoch, [[lo, hi], ...]], ...], shuffle: [[source, epoch, g]],
 packer: [[[source, epoch, g], piece]], skipped: {reason: n}, token_stats: {name: n}, docs,
-batches}]}.
+batches, barren?: [source]}]}.
 """
 
 from __future__ import annotations
@@ -71,9 +72,22 @@ def check_shape(state, who: str = "data-loader state") -> tuple[int, int, int]:
     if not workers:
         raise LoaderStateError(f"{who}: workers is empty (a rank has at least one reader)")
     _list(workers, f"{who}: workers", max(num_workers, 1))
-    for s, src in enumerate(_list(fp["sources"], f"{who}: fingerprint.sources")):
+    sources = _list(fp["sources"], f"{who}: fingerprint.sources")
+    for s, src in enumerate(sources):
         src = _list(src, f"{who}: fingerprint.sources[{s}]", 3)
         _int(src[2], f"{who}: fingerprint.sources[{s}] sample count", 1)
+    if fp.get("schedule") is not None:  # data/stream/schedule.py: per source [start_step, end_step, modalities]
+        for s, entry in enumerate(_list(fp["schedule"], f"{who}: fingerprint.schedule", len(sources))):
+            start, end, mods = _list(entry, f"{who}: fingerprint.schedule[{s}]", 3)
+            _int(start, f"{who}: fingerprint.schedule[{s}] start_step")
+            _int(end, f"{who}: fingerprint.schedule[{s}] end_step")
+            for m in _list(mods, f"{who}: fingerprint.schedule[{s}] modalities"):
+                if not isinstance(m, str):
+                    raise LoaderStateError(f"{who}: fingerprint.schedule[{s}] modalities hold {m!r}, not a name")
+    if state.get("step") is not None:  # absent in states saved before source schedules
+        step, within = _list(state["step"], f"{who}: step", 2)
+        _int(step, f"{who}: step (training step of the next batch)")
+        _int(within, f"{who}: step (batches of that step already consumed)")
     for w, ws in enumerate(workers):
         if ws is not None and not isinstance(ws, dict):
             raise LoaderStateError(f"{who}: workers[{w}] is {type(ws).__name__}, not a mapping")
@@ -123,6 +137,8 @@ def check_loader_state(state, who: str = "data-loader state") -> None:
             _int(idx, f"{at}.packer[{k}] piece", 0)
         _counts(ws["skipped"], f"{at}.skipped")
         _counts(ws.get("token_stats", {}), f"{at}.token_stats")
+        for k, src in enumerate(_list(ws.get("barren", []), f"{at}.barren")):
+            _int(src, f"{at}.barren[{k}] source", 0, len(sizes))
         _int(ws["docs"], f"{at}.docs")
         _int(ws["batches"], f"{at}.batches")
         try:

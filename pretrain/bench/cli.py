@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCHMARKS = ("generate", "hf", "hf_generate", "decode", "threads")
+BENCHMARKS = ("arch", "generate", "hf", "hf_generate", "decode", "threads")
 
 
 def register_bench(bench_sub) -> None:

@@ -88,8 +88,10 @@ def build_loader(cfg, split: str, rank: int, world_size: int) -> Loader | None:
             return None
         return stream_loader(cfg.data, rank=rank, world_size=world_size, split="eval",
                              max_batches=cfg.train.eval_steps)
+    # the stream counts batches; its source schedules (data.text_first_steps, a source's
+    # start_step / end_step) are in training steps of grad_accum_steps batches each
     return stream_loader(cfg.data, rank=rank, world_size=world_size, split="train",
-                         pin_memory=torch.cuda.is_available())
+                         pin_memory=torch.cuda.is_available(), batches_per_step=cfg.train.grad_accum_steps)
 
 
 def forward(model: torch.nn.Module, batch, layout=None) -> Any:

@@ -211,6 +211,10 @@ class Trainer:
                 self._load_data_states(data_states, cfg.checkpoint.resume_data)
             except ValueError as err:
                 raise ValueError(f"cannot resume from {self.last_checkpoint}: {err}") from err
+            data_step = getattr(self.train_loader, "step", self.step)
+            if data_step != self.step:  # the sources' schedules (data.text_first_steps) follow the stream's count
+                log.warning("the data stream resumed at training step %s but the checkpoint is at step %s: "
+                            "source schedules (start_step, end_step) follow the stream's count", data_step, self.step)
         with torch.random.fork_rng(devices=[]):  # see _next_host_batch
             self.train_iter = iter(self.train_loader)
         self._staged = None  # the batch staged one step ahead (_next_batch)
