@@ -5,7 +5,9 @@ Each *arm* is a set of config overrides on one preset (arms are data: `ARMS`, pl
 - `early_moe`: native early fusion with MoE FFNs, the preset as it is;
 - `early_dense`: every FFN dense, at the MoE's active compute (`model.moe.num_experts=0`,
   `model.moe.dense_dim` from `dense_equal_active_width`);
-- `late_moe`: late fusion (`model.vision_encoder.enabled=true`); skipped, with a line saying so,
+- `late_moe`: late fusion (`model.vision_encoder.enabled=true`; its FLOPs per token add the
+  encoder's, for the share of patch tokens and the block length measured on the training stream,
+  `measure_visual_mix`); skipped, with a line saying so,
   where this omniloom's config has no such key;
 - `moe_grouping` / `moe_no_grouping`: MoE with and without modality groups (`model.moe.modality_groups`);
 - `text_first`: a text-first start, `data.text_first_steps` = `TEXT_FIRST_SHARE` of its steps.
@@ -144,8 +146,41 @@ def _resolve(preset: str, overrides: list[str]):
     return B.resolve_model_config(load_config(preset, overrides))
 
 
-def plan_point(preset: str, base: list[str], arm: Arm, size: int | None, seed: int, budget: float) -> Point:
-    """The overrides and step count of one run; ConfigError when the config lacks an arm's key."""
+def measure_visual_mix(cfg, batches: int = 16) -> tuple[float, int]:
+    """(share of row slots that are patches, token-weighted mean visual block length) over the
+    first batches of the training stream: what a vision encoder's FLOPs per token depend on (the
+    same data for every arm; row slots as tokens_per_step counts them, padding included)."""
+    import torch
+
+    from omniloom.pretrain.train import build as B
+
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_workers=0))
+    it = iter(B.build_loader(cfg, "train", 0, 1))
+    slots = patches = squares = 0
+    try:
+        for _ in range(batches):
+            batch = next(it, None)
+            if batch is None:
+                break
+            slots += batch.block_ids.numel()
+            for row in batch.block_ids:
+                ids = row[row >= 0].long()
+                if ids.numel():
+                    counts = torch.bincount(ids)
+                    counts = counts[counts > 0]
+                    patches += int(counts.sum())
+                    squares += int((counts * counts).sum())
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    return patches / max(slots, 1), (round(squares / patches) if patches else 0)
+
+
+def plan_point(preset: str, base: list[str], arm: Arm, size: int | None, seed: int, budget: float,
+               visual: tuple[float, int] = (0.0, 0)) -> Point:
+    """The overrides and step count of one run; ConfigError when the config lacks an arm's key.
+    `visual`: measure_visual_mix's figures, which a vision encoder's FLOPs per token need."""
     from omniloom.model.accounting import flops_per_token, num_active_params, num_params
     from omniloom.pretrain.config.io import to_yaml
 
@@ -158,7 +193,7 @@ def plan_point(preset: str, base: list[str], arm: Arm, size: int | None, seed: i
         overrides += ["model.moe.num_experts=0", f"model.moe.dense_dim={dense_equal_active_width(cfg.model)}"]
         cfg = _resolve(preset, overrides)
     seq = cfg.data.seq_len
-    fpt = flops_per_token(cfg.model, seq)
+    fpt = flops_per_token(cfg.model, seq, visual_fraction=visual[0], visual_block_len=visual[1])
     tokens = seq * cfg.data.batch_size * cfg.train.grad_accum_steps
     steps = equal_flops_steps(budget, fpt, tokens)
     if arm.text_first:
@@ -177,10 +212,18 @@ def plan(preset: str, base: list[str], arms: list[Arm], sizes: list[int], seeds:
 
     points: list[Point] = []
     seen: dict[str, str] = {}
+    visual = (0.0, 0)
+    if any(any(o.startswith("model.vision_encoder.enabled=true") for o in arm.overrides) for arm in arms):
+        try:
+            visual = measure_visual_mix(_resolve(preset, base))
+        except ConfigError:
+            pass  # this omniloom has no vision encoder: its arm is skipped below
+        say(f"visual tokens: {visual[0]:.1%} of row slots, blocks of {visual[1]} patches (token-weighted): "
+            "the vision encoder's FLOPs per token count them")
     for arm in arms:
         for size in (sizes or [None]) if arm.fusion else [None]:
             try:
-                planned = [plan_point(preset, base, arm, size, seed, budget) for seed in range(seeds)]
+                planned = [plan_point(preset, base, arm, size, seed, budget, visual) for seed in range(seeds)]
             except ConfigError as err:
                 if "unknown key" not in str(err):
                     raise
