@@ -389,12 +389,18 @@ def prepare_demo_data(out: Path, *, images: int, videos: int, say=print) -> tupl
 def bench_arch(out: Path, *, preset: str, overrides: list[str], arms: list[Arm], sizes: list[int], seeds: int,
                budget: float, train: list[str] | None = None, heldout: str = "", tokenizer: str = "",
                eval_points: int = 4, max_eval_docs: int = 0, probes: bool = False, images: int = 800,
-               videos: int = 400, say=print) -> dict:
-    """Plan, run (what is not done yet) and report the comparison; returns the JSON written."""
+               videos: int = 400, corpus: str = "demo", say=print) -> dict:
+    """Plan, run (what is not done yet) and report the comparison; returns the JSON written.
+    Without `train`: the demo corpus, or with corpus="digits" scikit-learn's handwritten digits
+    (pretrain/bench/arch_digits.py)."""
     from .arch_report import summarize, write_reports
 
     out.mkdir(parents=True, exist_ok=True)
-    if not train:
+    if not train and corpus == "digits":
+        from .arch_digits import prepare_digits_data
+
+        train, heldout, tokenizer = prepare_digits_data(out, _omniloom, say=say)
+    elif not train:
         train, heldout, tokenizer = prepare_demo_data(out, images=images, videos=videos, say=say)
     elif not (heldout and tokenizer):
         raise ValueError("--train needs --heldout and --tokenizer too")
@@ -443,6 +449,10 @@ def register_bench(bench_sub) -> None:
     p.add_argument("--eval-points", type=int, default=4, help="evaluations during each training, for the loss-vs-FLOPs plot (default 4)")
     p.add_argument("--max-eval-docs", type=int, default=0, help="score only the first N held-out documents (default: all)")
     p.add_argument("--probes", action="store_true", help="also run the caption probes (mirror, flip, shuffle, reverse)")
+    p.add_argument("--corpus", choices=("demo", "digits"), default="demo",
+                   help="without --train: the demo corpus (synthetic shapes and clips, prose, code), or 'digits': "
+                   "scikit-learn's 1,797 real handwritten digits, captioned 'a handwritten digit seven.' (needs "
+                   "scikit-learn; exact captions are then classification accuracy)")
     p.add_argument("--images", type=int, default=800, help="synthetic training images of the demo corpus (default 800)")
     p.add_argument("--videos", type=int, default=400, help="synthetic training clips of the demo corpus (default 400)")
     p.epilog = ("Example (smoke): omniloom bench arch --out /tmp/arch --budget-flops 3e11 model.dim=64 model.num_heads=2; "
@@ -466,6 +476,6 @@ def _bench_arch(args) -> int:
     result = bench_arch(Path(args.out), preset=args.preset, overrides=list(args.overrides), arms=arms, sizes=sizes,
                         seeds=args.seeds, budget=args.budget_flops, train=args.train, heldout=args.heldout,
                         tokenizer=args.tokenizer, eval_points=args.eval_points, max_eval_docs=args.max_eval_docs,
-                        probes=args.probes, images=args.images, videos=args.videos)
+                        probes=args.probes, images=args.images, videos=args.videos, corpus=args.corpus)
     print(result["markdown"])
     return 0

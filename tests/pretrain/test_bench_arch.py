@@ -127,3 +127,28 @@ def test_plan_derives_the_dense_and_text_first_arms_and_trains_identical_configs
     assert any("moe_no_grouping has the config of early_moe" in line for line in said)
     tf = by["text_first"]
     assert f"data.text_first_steps={round(0.3 * tf.steps)}" in tf.overrides and tf.steps == by["early_moe"].steps
+
+
+def test_the_digits_corpus_is_real_labelled_pictures_with_their_captions(tmp_path):
+    """`--corpus digits` (issue 42: real pictures from a package): scikit-learn's digits become
+    one picture + caption per document, every fifth held out, the pixels upscaled, not invented."""
+    pytest.importorskip("sklearn", reason="scikit-learn is not installed (pip install scikit-learn)")
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    from omniloom.pretrain.bench.arch_digits import WORDS, _write_corpus
+
+    _write_corpus(tmp_path)
+    digits = load_digits()
+    rows = {part: [json.loads(x) for x in (tmp_path / part / "digits.jsonl").read_text().splitlines()]
+            for part in ("train", "heldout")}
+    assert len(rows["train"]) + len(rows["heldout"]) == len(digits.target) == 1797
+    assert len(rows["heldout"]) == 1797 // 5
+    doc = rows["heldout"][0]
+    i, label = int(doc["meta"]["source"].split("/")[1]), doc["meta"]["label"]
+    assert i == 4 and label == digits.target[4]
+    assert doc["segments"][1] == {"type": "text", "text": f"a handwritten digit {WORDS[label]}."}
+    img = np.asarray(Image.open(tmp_path / "heldout" / doc["segments"][0]["ref"]))
+    assert img.shape == (64, 64, 3)
+    np.testing.assert_array_equal(img[::8, ::8, 0], np.clip(digits.images[4] * (255.0 / 16.0), 0, 255).astype(np.uint8))
+    assert list((tmp_path / "text_heldout").iterdir()) and list((tmp_path / "text_train").iterdir())
