@@ -121,24 +121,31 @@ class _Handler(SimpleHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def serve_folder(folder):
-    """A threaded http.server on 127.0.0.1 serving `folder`; yields (base URL, requests). Shut down
-    on exit, and by itself after 5 minutes whatever happens."""
-    handler = type("H", (_Handler,), {"requests": []})
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
-    srv.daemon_threads = True
+def _serving(srv):
+    """Run `srv` in a thread for the block; shut down on exit, and by itself after 5 minutes."""
     thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
     thread.start()
     guard = threading.Timer(300, srv.shutdown)
     guard.daemon = True
     guard.start()
     try:
-        yield f"http://127.0.0.1:{srv.server_port}", handler.requests
+        yield
     finally:
         guard.cancel()
         srv.shutdown()
         srv.server_close()
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serve_folder(folder):
+    """A threaded http.server on 127.0.0.1 serving `folder`; yields (base URL, requests). Shut down
+    on exit, and by itself after 5 minutes whatever happens."""
+    handler = type("H", (_Handler,), {"requests": []})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
+    srv.daemon_threads = True
+    with _serving(srv):
+        yield f"http://127.0.0.1:{srv.server_port}", handler.requests
 
 
 @pytest.fixture(scope="session")
@@ -197,18 +204,8 @@ def serve_routes(routes: dict):
     5 minutes whatever happens."""
     handler = type("R", (_RouteHandler,), {"routes": routes, "requests": [], "lock": threading.Lock()})
     srv = _QuietServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    guard = threading.Timer(300, srv.shutdown)
-    guard.daemon = True
-    guard.start()
-    try:
+    with _serving(srv):
         yield f"http://127.0.0.1:{srv.server_port}", handler.requests
-    finally:
-        guard.cancel()
-        srv.shutdown()
-        srv.server_close()
-        thread.join(timeout=10)
 
 
 @pytest.fixture(scope="session")

@@ -56,27 +56,9 @@ def _env():
     return env
 
 
-def _alive_with(marker: str) -> list[str]:
-    """Live (not zombie) processes whose command line mentions `marker`."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in cmd and state != "Z":
-            found.append(f"{proc.name} [{state}] {cmd[:160]}")
-    return found
-
-
 def _assert_all_gone(marker: str, within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while _alive_with(marker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive_with(marker), _alive_with(marker)
+    alive = _proctree.still_alive(marker, within_s)
+    assert not alive, alive
 
 
 @pytest.fixture(scope="module")

@@ -52,26 +52,6 @@ def _env(**extra) -> dict:
     return env
 
 
-def _gone(marker: str, within_s: float = 10.0) -> list[str]:
-    """Live processes whose command line still mentions `marker` after `within_s` seconds."""
-    deadline = time.monotonic() + within_s
-    while True:
-        alive = []
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit() or int(proc.name) == os.getpid():
-                continue
-            try:
-                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if marker in cmd and state != "Z":
-                alive.append(cmd[:160])
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
 # ---- the two-machine path, through the shipped sbatch script under a stand-in srun ---------------
 def _sbatch(script: str, log: Path, *args: str, **env) -> subprocess.CompletedProcess:
     env = _env(PATH=f"{SUPPORT / 'fake_slurm'}:{OMNILOOM.parent}:{os.environ['PATH']}", FAKE_SRUN_LOG=str(log),
@@ -178,7 +158,7 @@ def test_a_missing_machine_is_named_while_waiting_and_ends_the_launch_at_the_tim
     assert len(errors) == 1 and "Traceback" not in text, text
     assert f"1 of 2 machines did not join at 127.0.0.1:{env['MASTER_PORT']} within 2 s (missing: machine_rank 1)" \
         in errors[0]
-    assert not _gone(str(out))
+    assert not proctree.still_alive(str(out))
 
 
 @pytest.mark.parametrize("rank,sig", [(0, signal.SIGTERM), pytest.param(1, signal.SIGINT, marks=pytest.mark.slow)])
@@ -200,7 +180,7 @@ def test_a_signal_ends_a_launch_waiting_for_a_machine_within_seconds(tmp_path, r
     text = "\n".join(ln for _, ln in lines)
     assert took < 5 and proc.returncode == 128 + sig, (took, text)
     assert f"stopped by {sig.name} before the ranks started" in text and "Traceback" not in text, text
-    assert not _gone(str(out))
+    assert not proctree.still_alive(str(out))
 
 
 _STUCK = '''

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 
@@ -39,3 +40,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def alive_with(marker: str) -> list[str]:
+    """Live (not zombie) processes whose command line mentions `marker`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            found.append(f"{proc.name} [{state}] {cmd[:160]}")
+    return found
+
+
+def still_alive(marker: str, within_s: float = 10.0) -> list[str]:
+    """`alive_with(marker)` once they are all gone or `within_s` seconds have passed."""
+    deadline = time.monotonic() + within_s
+    while (alive := alive_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
