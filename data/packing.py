@@ -188,6 +188,13 @@ class BestFitPacker:
     def state_refs(self) -> list[tuple]:
         return [(p.ref, p.index) for p in self.pieces]
 
+    def discard(self, drop) -> list[Piece]:
+        """Remove (and return) every piece for which `drop(piece)` is true."""
+        gone = [p for p in self.pieces if drop(p)]
+        for piece in gone:
+            self._remove(self._seq_of[id(piece)])
+        return gone
+
 
 def padding_best_fit(lengths: list[int], seq_len: int, capacity: int) -> tuple[int, int]:
     """(rows, padding tokens) of best-fit packing `lengths` (each <= seq_len) in arrival order."""

@@ -191,3 +191,15 @@ def test_best_fit_rows_follow_the_rule_oldest_first_then_longest_fitting_oldest_
             row.append(buf.pop(j))
         want.append([i for _, i in row])
     assert got == want and len(packer) == 0
+
+
+def test_discard_removes_pieces_from_every_index_and_the_rest_packs_as_before():
+    packer, alone = BestFitPacker(64, capacity=8), BestFitPacker(64, capacity=8)
+    for i, n in enumerate([30, 10, 50, 20, 40, 5]):
+        packer.add(_piece(n, tag=i % 2))
+        if i % 2 == 0:
+            alone.add(_piece(n, tag=0))
+    gone = packer.discard(lambda p: p.ref[0] == 1)
+    assert sorted(len(p) for p in gone) == [5, 10, 20] and len(packer) == 3 and packer._tokens == 120
+    rows = [[len(p) for p in packer.pop_row()] for _ in range(2)]
+    assert rows == [[len(p) for p in alone.pop_row()] for _ in range(2)] and not packer.pieces
