@@ -177,8 +177,11 @@ def test_python_started_in_the_checkout_root_gets_the_real_tokenizers_and_loads_
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert Path(got["file"]).resolve().parent != root / "tokenizers"
     assert got["ids"] == Tokenizer.load(tok_dir).encode(text)
-    # a name with no real package behind it says what the folder is (or is the real package, if one is installed)
-    assert "is omniloom.kernels, not that package" in got["kernels"] or root not in Path(got["kernels"]).parents
+    # a name with no real package behind it says what the folder is (or is the real package, if one
+    # is installed: Hugging Face's `kernels`, which newer transformers require; the virtual
+    # environment may live inside the checkout, as `make` puts it, so compare with the folder itself)
+    assert ("is omniloom.kernels, not that package" in got["kernels"]
+            or Path(got["kernels"]).resolve().parent != (root / "kernels").resolve())
 
 
 def _legacy_copy(tok_dir: Path, dest: Path) -> Path:
