@@ -110,6 +110,20 @@ def _tiny_model(vocab_size: int) -> bytes:
             return f.read()
 
 
+def write_doc_shard(path, docs) -> None:
+    """A WebDataset-style tar of omniloom documents: for each (key, doc, {ref: bytes}), KEY.doc.json
+    first, then its KEY.<ref> media members (what `omniloom data build` writes, without a manifest)."""
+    import json
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        for key, doc, media in docs:
+            for name, data in [("doc.json", json.dumps(doc).encode()), *media.items()]:
+                info = tarfile.TarInfo(f"{key}.{name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
 def make_tiny_tokenizer(tmp_dir: str | os.PathLike, vocab_size: int = 512, settings: MediaSettings | None = None, **setting_overrides) -> Tokenizer:
     """Train (once per process and vocab size) a tiny tokenizer on the built-in sample, save it
     into tmp_dir and return it loaded. Media settings default to small ones fit for tests

@@ -3,9 +3,7 @@ detokenize back to segments, document errors, and the `omniloom tokenizer` CLI."
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from omniloom.tokenizers import layout
 from omniloom.tokenizers.image import decode_image
 from omniloom.tokenizers.layout import CODE, IMAGE, SPECIAL, TEXT, VIDEO, validate_tokenized_doc
 from omniloom.tokenizers.settings import DocumentError, MediaError
-from omniloom.tokenizers.testing import make_image_bytes, make_video_bytes
+from omniloom.tokenizers.testing import make_image_bytes, make_video_bytes, write_doc_shard
 from omniloom.tokenizers.unified import detokenize, tokenize_document
 from omniloom.tokenizers.video import decode_video
 
@@ -121,15 +119,6 @@ def test_document_errors(tok):
     assert td.blocks == [] and td.stats == {"dropped_undecodable": 2}
 
 
-def _write_shard(path, docs):
-    with tarfile.open(path, "w") as tar:
-        for key, doc, media in docs:
-            for name, data in [("doc.json", json.dumps(doc).encode()), *media.items()]:
-                info = tarfile.TarInfo(f"{key}.{name}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-
-
 def test_cli_train_encode_decode_show(tmp_path, capsys):
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -137,7 +126,7 @@ def test_cli_train_encode_decode_show(tmp_path, capsys):
         {"type": "text", "text": f"Document {i} talks about rivers, mills and meadows in spring.\n"},
         {"type": "code", "lang": "python", "text": f"for i in range({i}):\n    print(i * {i})\n"},
         {"type": "image", "ref": "img0.png"}], "meta": {}}, {"img0.png": make_image_bytes(32, 32)}) for i in range(30)]
-    _write_shard(shards / "s-000000.tar", docs)
+    write_doc_shard(shards / "s-000000.tar", docs)
     out = tmp_path / "tok"
     assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(out), "--patch-size", "8", "--image-patch-budget", "16"]) == 0
     assert "vocab 360" in capsys.readouterr().out
@@ -178,7 +167,7 @@ def test_train_summary_says_how_much_of_a_long_video_trains(tmp_path, capsys):
         {"type": "text", "text": f"Document {i} talks about rivers, mills and meadows in spring.\n"},
         {"type": "video", "ref": "vid0.mp4"}], "meta": {"media": {"vid0.mp4": {"duration": float(3 + 2 * i)}}}},
         {"vid0.mp4": b"not read by the tokenizer trainer"}) for i in range(6)]  # 3, 5, 7, 9, 11, 13 s
-    _write_shard(shards / "s-000000.tar", docs)
+    write_doc_shard(shards / "s-000000.tar", docs)
     assert main(["tokenizer", "train", "--data", str(shards), "--vocab-size", "360", "--out", str(tmp_path / "a")]) == 0
     out = capsys.readouterr().out
     assert "videos: each trains on the first 7 s (14 frames at 2 fps, video_sampling clip); 3 of 6 video(s) in this corpus are longer" in out

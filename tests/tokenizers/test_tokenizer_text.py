@@ -3,10 +3,8 @@ from shard tars, deterministic corpus sampling, files and errors."""
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
-import tarfile
 from collections import Counter
 
 import pytest
@@ -15,7 +13,7 @@ import sentencepiece as spm
 from omniloom.tokenizers import layout
 from omniloom.tokenizers.corpus import chunk_text, iter_shard_docs, resolve_shards, sample_chunks
 from omniloom.tokenizers.settings import MediaSettings
-from omniloom.tokenizers.testing import SAMPLE_CODE
+from omniloom.tokenizers.testing import SAMPLE_CODE, write_doc_shard
 from omniloom.tokenizers.text import Tokenizer, train_tokenizer
 
 ROUND_TRIP = [
@@ -150,16 +148,6 @@ def test_sampling_is_deterministic_and_bounded():
     assert sample_chunks(texts[:10], 50) == texts[:10]
 
 
-def write_shard(path, docs):
-    """A WebDataset-style tar: KEY.doc.json first, then KEY.<ref> media members."""
-    with tarfile.open(path, "w") as tar:
-        for key, doc, media in docs:
-            for name, data in [("doc.json", json.dumps(doc).encode()), *media.items()]:
-                info = tarfile.TarInfo(f"{key}.{name}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-
-
 def test_train_from_shards(tmp_path):
     shard_dir = tmp_path / "shards"
     shard_dir.mkdir()
@@ -170,8 +158,8 @@ def test_train_from_shards(tmp_path):
                 {"type": "image", "ref": "img0.jpg"},
                 {"type": "code", "lang": "python", "text": f"def f{i}(x):\n    return x * {i}\n" + (long_line if i == 0 else "")}]
         docs.append((f"doc{i:04d}", {"schema": 1, "segments": segs, "meta": {}}, {"img0.jpg": b"\xff\xd8not really a jpeg"}))
-    write_shard(shard_dir / "t-000000.tar", docs[:20])
-    write_shard(shard_dir / "t-000001.tar", docs[20:])
+    write_doc_shard(shard_dir / "t-000000.tar", docs[:20])
+    write_doc_shard(shard_dir / "t-000001.tar", docs[20:])
     (shard_dir / "t-000002.tar").write_bytes(b"garbage, not a tar")
     manifest = {"format": "omniloom-shards", "version": 1, "name": "t", "shards": [{"name": f"t-00000{i}.tar"} for i in range(3)]}
     (shard_dir / "manifest.json").write_text(json.dumps(manifest))
