@@ -149,8 +149,11 @@ class Trainer:
             check_step_memory(cfg, self.acc.device)  # before minutes of setup and workers that grow without bound
             warn_ignored_settings(cfg.model, quiet=not self.acc.is_main_process)
             build_model = B.build_model
+        # the training stream before the model: a mistyped or unreadable source fails here, not after
+        # minutes of model setup, and its sources are resolved once (no workers start until iter)
+        self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
         if build_loader is None:
-            check_sources(cfg.data)  # a mistyped source fails here, not after minutes of model setup
+            check_sources(cfg.data.eval_sources)  # built at each evaluation; a bad one is said now too
         self.cfg = cfg
         self.run_dir = Path(cfg.train.run_dir)
         self.device = self.acc.device
@@ -201,7 +204,6 @@ class Trainer:
             log.info("checkpoint.resume=auto: no complete checkpoint in %s, starting fresh", self.ckpt.dir)
         if resume is not None:
             data_states = self._restore(resume, resume_note)
-        self.train_loader = self._build_loader(cfg, "train", self.acc.process_index, self.acc.num_processes)
         if data_states is not None and cfg.checkpoint.resume_data == "restart":
             log.info("checkpoint.resume_data=restart: the model, optimizer, schedule and step %d come from %s; the "
                      "data stream starts anew (every source from its beginning, data.seed %d)", self.step,

@@ -1,4 +1,4 @@
-"""Checks a run config gets before minutes of setup: are its local data sources there
+"""Checks a run config gets before minutes of setup: are its local held-out sources there
 (`check_sources`), will one step fit in memory, and which settings are ignored by the model they
 configure.
 
@@ -138,12 +138,13 @@ def warn_ignored_settings(model_cfg, *, quiet: bool = False) -> list[str]:
     return messages
 
 
-def check_sources(data_cfg) -> None:
-    """Resolve every local training and held-out source (its manifest, its shards) before minutes of
-    model and optimizer set-up, so that a mistyped folder fails first, in one line. Remote sources
-    (http, object stores, pipe:) are resolved once, by the loader, as before."""
+def check_sources(sources) -> None:
+    """Resolve every local source of `sources` (its manifest, its shards), so that a mistyped folder
+    fails before minutes of setup, in one line. Remote sources (http, object stores, pipe:) are
+    left to the loader. The trainer builds its training stream before the model (which resolves
+    those sources once) and checks the held-out ones here."""
     from omniloom.data.stream.reader import is_local, resolve_source
 
-    for source in [*data_cfg.sources, *data_cfg.eval_sources]:
-        if source.path and is_local(source.path) and not source.path.startswith("pipe:") and not source.manifest:
+    for source in sources:
+        if source.path and is_local(source.path) and not source.manifest:
             resolve_source(source)

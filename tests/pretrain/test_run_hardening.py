@@ -835,9 +835,13 @@ def test_a_bad_local_source_is_refused_before_the_model_is_built(tmp_path, monke
         raise AssertionError("the model was built before the sources were checked")
 
     monkeypatch.setattr(build, "build_model", too_late)
+    from omniloom.tokenizers.testing import make_tiny_tokenizer
+
+    tok = tmp_path / "tok"
+    make_tiny_tokenizer(tok)
     (tmp_path / "empty").mkdir()
     for source, message in ((tmp_path / "nowhere", "no such folder or shard file"),
                             (tmp_path / "empty", "has no manifest.json")):
-        cfg = load_config("tiny", [f"data.sources={source}", f"train.run_dir={tmp_path / 'run'}", "model.vocab_size=512"])
+        cfg = load_config("tiny", [f"data.sources={source}", f"train.run_dir={tmp_path / 'run'}", f"data.tokenizer={tok}"])
         with pytest.raises(FileNotFoundError, match=message):
             loop.Trainer(cfg)
