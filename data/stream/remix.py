@@ -7,7 +7,8 @@ A saved loader state describes each source by its index i: the slots' cursors, t
 sequences (`pending`), and the buffered references (i, e, g). A source is *kept* when the new mix
 holds one of the same label (its name, else its path) and sample count; sources that are new, or
 whose sample count changed, start at their beginning; sources no longer in the mix are dropped,
-with their buffered documents. Weights may change freely: they only steer the draws from now on.
+with their buffered documents (counted as skipped `source_removed`). Weights may change freely:
+they only steer the draws from now on.
 
 A kept source whose index moved (i != j) needs more than a renumbering: each epoch's sample order
 is a shuffle of the source's shards seeded by (seed, index, epoch) (data/stream/cursor.py), so
@@ -163,6 +164,13 @@ def remap_states(states: list[dict], new_sources: list, shard_counts: list[list[
             ws["cursors"], ws["pending"] = cursors, pending
             if ws.get("barren"):  # filtered sources found empty (data/stream/schedule.py), by index
                 ws["barren"] = sorted(kept[int(i)] for i in ws["barren"] if int(i) in kept)
+            # the buffered documents of a source no longer in the mix are dropped, and counted
+            removed = sum(int(ref[0]) not in kept for ref in ws["shuffle"])
+            removed += len({tuple(ref) for ref, _ in ws["packer"] if int(ref[0]) not in kept})
+            if removed:
+                skipped = dict(ws.get("skipped", {}))
+                skipped["source_removed"] = skipped.get("source_removed", 0) + removed
+                ws["skipped"] = skipped
             ws["shuffle"] = [_translate_ref(ref, *orders[int(ref[0])], kept[int(ref[0])]) for ref in ws["shuffle"]
                              if int(ref[0]) in kept]
             ws["packer"] = [[_translate_ref(ref, *orders[int(ref[0])], kept[int(ref[0])]), int(idx)]

@@ -82,6 +82,21 @@ def test_plan_keeps_sources_of_the_same_label_and_size():
     assert plan(old, new) == {0: 2, 1: 1}  # 'gone' changed size: it starts anew
 
 
+def test_a_removed_source_drops_its_buffered_documents_counted(corpus):
+    from omniloom.data.stream.remix import remap_states
+
+    loaders = _loaders(corpus, [("a", 2.0), ("b", 1.0)], 1, 1)
+    states = _steps(loaders, 3, [], ["a", "b"])
+    ws = states[0]["workers"][0]
+    held = sum(ref[0] == 1 for ref in ws["shuffle"]) + len({tuple(ref) for ref, _ in ws["packer"] if ref[0] == 1})
+    assert held > 0  # b has documents buffered
+    only_a = build_loader(_cfg(corpus, [("a", 1.0)], 1), TOK, patch_dim=TOK.tubelet_dim)
+    (out,) = remap_states(states, only_a._fingerprint()["sources"], [[sh.num_samples for sh in only_a.sets[0].shards]], 5)
+    got = out["workers"][0]
+    assert got["skipped"].get("source_removed") == held
+    assert all(ref[0] == 0 for ref in got["shuffle"]) and all(ref[0] == 0 for ref, _ in got["packer"])
+
+
 @pytest.mark.parametrize("layout", [(1, 1), (2, 2)])
 def test_a_moved_source_continues_exactly_and_a_new_one_starts(corpus, layout):
     before_mix, after_mix = [("a", 2.0), ("b", 1.0)], [("c", 1.0), ("b", 3.0), ("a", 1.0)]
