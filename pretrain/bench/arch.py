@@ -405,8 +405,12 @@ def bench_arch(out: Path, *, preset: str, overrides: list[str], arms: list[Arm],
     elif not (heldout and tokenizer):
         raise ValueError("--train needs --heldout and --tokenizer too")
     srcs = ", ".join(s if s.startswith("{") else f"{{path: {s}}}" for s in train)
-    evals = ", ".join(f"{{path: {s}}}" for s in heldout.split(","))
-    base = [f"data.sources=[{srcs}]", f"data.eval_sources=[{evals}]", f"data.tokenizer={tokenizer}", *overrides]
+    # the evaluations during training (the loss-against-FLOPs curve) read the first held-out set
+    # (the demo's and digits' captioned pictures: the skill the visual mix trains); the final
+    # evaluation reads every set
+    during = heldout.split(",")[0]
+    base = [f"data.sources=[{srcs}]", f"data.eval_sources=[{{path: {during}}}]", f"data.tokenizer={tokenizer}",
+            *overrides]
     points = plan(preset, base, arms, sizes, seeds, budget, say=say)
     if not points:
         raise ValueError("bench arch: no arm left to run (each was skipped above)")
@@ -444,7 +448,8 @@ def register_bench(bench_sub) -> None:
                    "e.g. 64,128,192 (default: the preset's only)")
     p.add_argument("--budget-flops", type=float, default=1e12, help="training FLOPs per run (default 1e12: minutes on 2 CPU cores)")
     p.add_argument("--train", action="append", default=[], help="training shards instead of the demo corpus (repeat for several)")
-    p.add_argument("--heldout", default="", help="held-out shards with --train (comma-separate several)")
+    p.add_argument("--heldout", default="", help="held-out shards with --train (comma-separate several; the "
+                   "evaluations during training, the plot's curves, read the first)")
     p.add_argument("--tokenizer", default="", help="tokenizer folder with --train")
     p.add_argument("--eval-points", type=int, default=4, help="evaluations during each training, for the loss-vs-FLOPs plot (default 4)")
     p.add_argument("--max-eval-docs", type=int, default=0, help="score only the first N held-out documents (default: all)")

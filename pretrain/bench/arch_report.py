@@ -6,7 +6,11 @@ with min and max in the JSON. JSON layout (`format: omniloom-bench-arch/1`):
 
     {format, preset, budget_flops, overrides, columns: [[key, header]], markdown,
      arms: [{arm, size, label, seeds, same_as?, overrides, figures: {key: {mean, std, min, max, n}},
-             curve: [[train FLOPs, held-out loss], ...] (mean over seeds, by evaluation)}]}
+             curve: [[train FLOPs, held-out loss mean, std], ...] (over seeds, by evaluation)}]}
+
+The curve is the trainer's `eval/loss` during training, on the first held-out set only (the demo's
+captioned images and clips: caption tokens, as patches carry no target); the table's losses come
+from `omniloom eval` on every held-out set after training.
 """
 
 from __future__ import annotations
@@ -76,7 +80,10 @@ def summarize(points, *, preset: str, budget: float, overrides: list[str]) -> di
                 figures[key] = _spread(vals)
         curves = [p.figures.get("curve") or [] for p in ps]
         n = min(len(c) for c in curves)
-        curve = [[curves[0][i][0], sum(c[i][1] for c in curves) / len(curves)] for i in range(n)]
+        curve = []
+        for i in range(n):
+            s = _spread([c[i][1] for c in curves])
+            curve.append([curves[0][i][0], s["mean"], s["std"]])
         arms.append({"arm": ps[0].arm, "size": ps[0].size, "label": label, "seeds": [p.seed for p in ps],
                      **({"same_as": ps[0].same_as.split("/")[0]} if ps[0].same_as else {}),
                      "overrides": ps[0].overrides, "figures": figures, "curve": curve})
@@ -114,8 +121,9 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path | None:
-    """Held-out loss against training FLOPs, one line per (arm, size) from the evaluations
-    during training, the final point of each marked: the scaling-law picture."""
+    """Held-out loss (the first held-out set) against training FLOPs, one line per (arm, size)
+    from the evaluations during training, mean over seeds with the spread at each point: the
+    scaling-law picture."""
     try:
         import matplotlib
 
@@ -127,15 +135,14 @@ def plot(result: dict, path: Path) -> Path | None:
     for a in result["arms"]:
         if a.get("same_as") or not a["curve"]:
             continue
-        xs, ys = zip(*a["curve"])
-        line, = ax.plot(xs, ys, marker=".", label=a["label"])
-        final = a["figures"].get("loss/all")
-        if final is not None:
-            ax.errorbar([a["figures"]["train_flops"]["mean"]], [final["mean"]], yerr=[final["std"]], fmt="o",
-                        color=line.get_color())
+        pts = [c if len(c) == 3 else (*c, 0.0) for c in a["curve"] if c[0] > 0]  # step 0 has no place on a log axis
+        if not pts:
+            continue
+        xs, ys, errs = zip(*pts)
+        ax.errorbar(xs, ys, yerr=errs, marker=".", capsize=2, label=a["label"])
     ax.set_xscale("log")
     ax.set_xlabel("training FLOPs")
-    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_ylabel("held-out loss, first held-out set (nats/token)")
     ax.set_title(f"bench arch: {result['preset']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -101,6 +101,11 @@ def test_bench_arch_smoke_two_arms_two_seeds(shards, tmp_path):
     assert fpt["late_moe"] > fpt["early_moe"]  # the steps follow from it by the budget check below
     for k in arms_out:
         assert abs(steps[k] * fpt[k] * one.tokens_per_step - budget) <= fpt[k] * one.tokens_per_step / 2
+    # the curve: the evaluations during training, on the first held-out set, mean and spread over seeds
+    for a in arms_out.values():
+        assert f"data.eval_sources=[{{path: {held}}}]" in a["overrides"]
+        assert len(a["curve"]) >= 2 and all(len(c) == 3 and c[1] > 0 and c[2] >= 0 for c in a["curve"]), a["curve"]
+        assert [c[0] for c in a["curve"]] == sorted(c[0] for c in a["curve"])
     md = (tmp_path / "arch.md").read_text()
     assert "| arm | seeds |" in md and "±" in md and "loss text-only docs" in md
     assert json.loads((tmp_path / "arch.json").read_text())["format"] == "omniloom-bench-arch/1"
