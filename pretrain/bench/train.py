@@ -22,7 +22,8 @@ _SYNTHETIC_VOCAB, _SYNTHETIC_PATCH_ID = 1024, 8
 
 
 class SyntheticLoader:
-    """Random PackedBatch-shaped batches (text, code, an image and a video block per row) from
+    """Random PackedBatch-shaped batches (text, code, an image and a video block per row when its
+    seq_len has room: none at 64) from
     omniloom.model.synthetic, for benchmarking without shards. Deterministic per batch index.
 
     The first `pool` batches are built ahead of time (pinned when CUDA is there) and then cycled:
@@ -108,11 +109,13 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
         with torch.no_grad():
             B.forward(trainer.model, ref_batch, layout=ref_layout)
         trainer.timer.pop()
-        tokens, wall, fwd_only = trainer.tokens_seen, 0.0, 0.0
+        tokens, wall, fwd_only, visual_flops = trainer.tokens_seen, 0.0, 0.0, 0.0
         for _ in range(steps):
             t0 = time.perf_counter()
-            trainer.run_step()
+            out = trainer.run_step()
             wall += time.perf_counter() - t0
+            if out is not None:  # a vision encoder's FLOPs, counted per batch from its visual blocks (all ranks)
+                visual_flops += float(out[0]["visual_flops"])
             t1 = time.perf_counter()
             with torch.no_grad():
                 B.forward(trainer.model, ref_batch, layout=ref_layout)
@@ -126,7 +129,9 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
         world = trainer.acc.num_processes
         tps = tokens / wall
         peak = peak_flops_per_device(trainer.device)
-        u = mfu(trainer.flops_per_token, tps / world, peak)
+        visual_per_s = visual_flops / wall / world  # per device, as the trainer's MFU counts it
+        model_flops_per_s = trainer.flops_per_token * tps / world + visual_per_s
+        u = mfu(trainer.flops_per_token, tps / world, peak, visual_per_s)
         model = trainer.acc.unwrap_model(trainer.model)
         dense_b = bool(trainer.b_layers) and bool(getattr(model, "dense_b_layers", False))
         n_params = sum(p.numel() for p in model.parameters())
@@ -142,6 +147,8 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
         f"seq {cfg.data.seq_len} x accum {cfg.train.grad_accum_steps}; {steps} timed steps after {warmup} warmup",
         f"  tokens/s: {tps:,.0f} ({tps / world:,.0f} per device)" + (f"; MFU {100 * u:.1f}%" if u is not None else
                                                                     "; MFU omitted (no peak-FLOPs entry, e.g. CPU)"),
+        f"  model FLOP/s: {model_flops_per_s:.3g} per device"
+        + (f" ({100 * visual_per_s / model_flops_per_s:.1f}% in the vision encoder)" if visual_per_s else ""),
         f"  step time: {1000 * step_s:.1f} ms" + (f" (the {warmup} warm-up step{'s' if warmup > 1 else ''} took "
                                                   f"{warm_s:.1f} s{', compile included' if compiling else ''})"
                                                   if warmup else ""),
@@ -154,7 +161,8 @@ def bench_train(preset: str, overrides: list[str], *, steps: int = 10, warmup: i
     lines.append(f"  reference (same run, interleaved): forward-only {1000 * fwd_only:.1f} ms per batch; "
                  f"train step / forward-only = {step_s / max(fwd_only, 1e-12):.2f}x")
     if figures is not None:
-        figures.update(seq_len=cfg.data.seq_len, step_s=step_s, tokens_per_s=tps)
+        figures.update(seq_len=cfg.data.seq_len, step_s=step_s, tokens_per_s=tps, model_flops_per_s=model_flops_per_s,
+                       encoder_flops_per_s=visual_per_s)
     if dense_b:  # the timed steps fall in the dense warm-up: the B layers ran as G layers
         lines.append(f"  note: B layers {trainer.b_layers} were in their dense warm-up (model.attention.dense_warmup_steps="
                      f"{cfg.model.attention.dense_warmup_steps}) and attended as G layers; add "

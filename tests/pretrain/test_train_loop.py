@@ -520,6 +520,18 @@ def test_bench_train_prints_throughput_and_breakdown(capsys):
     assert f"torch_threads={choose_threads(0, num_workers=0).threads}" in out
 
 
+def test_bench_train_counts_the_vision_encoder_in_the_model_flops(capsys):
+    from omniloom.pretrain.bench.train import bench_train
+
+    plain, late = {}, {}
+    model = [*SMALL_MODEL, "data.seq_len=256"]  # room for the synthetic rows' visual blocks
+    bench_train("tiny", model, steps=1, warmup=0, figures=plain)
+    out = bench_train("tiny", [*model, "model.vision_encoder.enabled=true"], steps=1, warmup=0, figures=late)
+    assert plain["encoder_flops_per_s"] == 0 and late["encoder_flops_per_s"] > 0
+    assert late["model_flops_per_s"] > late["encoder_flops_per_s"]
+    assert "% in the vision encoder)" in out and "in the vision encoder" not in capsys.readouterr().out
+
+
 def test_bench_train_at_several_sequence_lengths_prints_the_step_time_per_length(capsys):
     from omniloom.pretrain.cli import main
 
