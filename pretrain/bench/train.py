@@ -22,9 +22,9 @@ _SYNTHETIC_VOCAB, _SYNTHETIC_PATCH_ID = 1024, 8
 
 
 class SyntheticLoader:
-    """Random PackedBatch-shaped batches (text, code, an image and a video block per row when its
-    seq_len has room: none at 64) from
-    omniloom.model.synthetic, for benchmarking without shards. Deterministic per batch index.
+    """Random PackedBatch-shaped batches (text, code, an image and a video block per row when the
+    row has room: none at seq_len 64) from omniloom.model.synthetic, for benchmarking without
+    shards. Deterministic per batch index.
 
     The first `pool` batches are built ahead of time (pinned when CUDA is there) and then cycled:
     building a batch on the CPU inside the timed step cost 400-500 ms of a 1 s H200 step, which
