@@ -50,10 +50,18 @@ def _checkpointed_forward(original_forward, *args, **kwargs):
     return checkpoint(original_forward, *args, use_reentrant=False, **kwargs)
 
 
+def encoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of a vision encoder (`model.vision_encoder`, late fusion: `model.vision.layers`);
+    none without one."""
+    layers = getattr(getattr(model, "vision", None), "layers", None)
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
+
+
 def apply_activation_checkpointing(model: torch.nn.Module) -> int:
-    """Recompute each block's activations in backward. The forward is replaced on the instance,
-    so parameter names and state-dict keys do not change. Returns the number of blocks wrapped."""
-    blocks = transformer_blocks(model)
+    """Recompute each block's activations in backward: the decoder's blocks and a vision
+    encoder's layers. The forward is replaced on the instance, so parameter names and state-dict
+    keys do not change. Returns the number of blocks wrapped."""
+    blocks = transformer_blocks(model) + encoder_blocks(model)
     for block in blocks:
         if getattr(block, "_omniloom_ac", False):
             continue
@@ -104,7 +112,8 @@ def apply_parallelism(model: torch.nn.Module, train_cfg, accelerator, *, expert_
         plan = None
     if train_cfg.activation_checkpointing:
         n = apply_activation_checkpointing(model)
-        log.info("activation checkpointing on %d blocks", n)
+        enc = len(encoder_blocks(model))
+        log.info("activation checkpointing on %d blocks%s", n, f" ({enc} of them the vision encoder's)" if enc else "")
     if train_cfg.compile:
         if train_cfg.deterministic:
             log.warning("train.compile with train.deterministic: compiled kernels may pick different "

@@ -206,6 +206,25 @@ def test_every_parameter_gets_a_gradient_and_backends_agree(visual):
         assert visual or float(g.abs().sum()) == 0.0  # text only: in the graph, a zero gradient
 
 
+def test_activation_checkpointing_wraps_the_encoder_layers_and_keeps_the_gradients():
+    from omniloom.pretrain.train.parallel import apply_activation_checkpointing, encoder_blocks
+
+    cfg = enc_cfg(backend="blocksparse")
+    torch.manual_seed(0)
+    ref = OmniModel(cfg)
+    ckpt = OmniModel(cfg)
+    ckpt.load_state_dict(ref.state_dict())
+    assert len(encoder_blocks(ckpt)) == 2 and encoder_blocks(OmniModel(enc_cfg(vision_encoder=VisionEncoderConfig()))) == []
+    assert apply_activation_checkpointing(ckpt) == cfg.num_layers + 2
+    assert all(getattr(b, "_omniloom_ac", False) for b in encoder_blocks(ckpt))
+    grads = []
+    for model in (ref, ckpt):
+        model(**batch_of(cfg, seed=6)).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, msg=name)
+
+
 def test_accelerator_shapes_give_the_cpu_result():
     from omniloom.model.embeddings import accelerator_shapes
 
