@@ -94,6 +94,14 @@ class StreamLoader:
         """The training step the next batch belongs to (batches counted in steps of `batches_per_step`)."""
         return self.clock.step_of(self.consumed)
 
+    def start_at_step(self, step: int) -> None:
+        """A fresh stream whose first batch belongs to training step `step`: the data starts anew
+        under a resumed run (checkpoint.resume_data=restart), and the sources' schedules
+        (start_step, end_step, data.text_first_steps) count from the run's step, not from 0."""
+        if self.consumed:
+            raise RuntimeError("start_at_step is for a stream that has handed out no batch yet")
+        self.clock = StepClock(self.batches_per_step, int(step), 0)
+
     def __len__(self) -> int:
         if self.max_batches is None:
             raise TypeError("an endless stream has no length; build it with max_batches for a finite pass")
@@ -214,7 +222,7 @@ class StreamLoader:
         schedule = self.schedule.fingerprint() if self.schedule is not None else None
         return {
             "split": self.split,
-            "sources": [[s.label, s.weight, s.num_samples] for s in self.sets],
+            "sources": [[s.label, s.weight, s.num_samples, shard_layout(s)] for s in self.sets],
             "seq_len": c.seq_len, "batch_size": c.batch_size, "seed": c.seed,
             "shuffle_buffer": c.shuffle_buffer, "pack_buffer": c.pack_buffer,
             "world_size": self.world_size, "num_workers": c.num_workers,
@@ -241,6 +249,8 @@ class StreamLoader:
         start at their beginning (data/stream/remix.py; needs every saved rank's state)."""
         from .state_check import check_loader_state, check_shape
 
+        if sources not in ("exact", "keep_unchanged"):  # "restart" is a fresh loader (start_at_step), not a state
+            raise ValueError(f"sources must be 'exact' or 'keep_unchanged', got {sources!r}")
         states = [state] if isinstance(state, dict) else list(state)
         if not states:
             raise ValueError("no data-loader state given")
@@ -253,7 +263,11 @@ class StreamLoader:
         self.remixed = None
         if sources == "keep_unchanged":
             states = self._remix(states)
+        from .remix import comparable
+
         old, new = states[0]["fingerprint"], self._fingerprint()
+        old, new = dict(old), dict(new)
+        old["sources"], new["sources"] = comparable(old["sources"], new["sources"])
         layout = ("world_size", "num_workers")
         # batch_size may change too: a worker's state counts documents and rows, never batches of a
         # size (cursors, buffers by reference, the RNG), so the rows go on as they would have, cut
@@ -263,6 +277,11 @@ class StreamLoader:
         diff = [k for k in {**new, "schedule": None} if k not in free and json_safe(old.get(k)) != json_safe(new.get(k))]
         if diff:
             details = "; ".join(f"{k}: saved {old.get(k)!r}, now {new.get(k)!r}" for k in diff)
+            resharded = [n[0] for o, n in zip(old["sources"], new["sources"])
+                         if len(o) > 3 and len(n) > 3 and o[:3] == n[:3] and o[3] != n[3]]
+            if diff == ["sources"] and len(old["sources"]) == len(new["sources"]) and resharded:
+                details = (f"source {', '.join(map(repr, resharded))} has other shards than when the state was saved "
+                           "(rebuilt: shard names or sample counts changed), so its saved positions name other documents")
             if diff == ["sources"] and sources != "keep_unchanged":
                 advice = ("resume with the sources it was saved with, or with checkpoint.resume_data=keep_unchanged "
                           "(the unchanged sources go on where they were, the others start) or =restart (all data anew)")
@@ -314,11 +333,11 @@ class StreamLoader:
 
     def _remix(self, states: list[dict]) -> list[dict]:
         """The saved states rewritten for this run's mix of sources (data/stream/remix.py)."""
-        from .remix import describe, plan, remap_states
+        from .remix import comparable, describe, plan, remap_states
 
         mine = self._fingerprint()
         old, new = states[0]["fingerprint"]["sources"], mine["sources"]
-        if json_safe(old) == json_safe(new) and json_safe(states[0]["fingerprint"].get("schedule")) == json_safe(mine.get("schedule")):
+        if json_safe(comparable(old, new)[0]) == json_safe(comparable(old, new)[1]) and json_safe(states[0]["fingerprint"].get("schedule")) == json_safe(mine.get("schedule")):
             return states
         world = int(states[0]["fingerprint"]["world_size"])
         if sorted(int(st["rank"]) for st in states) != list(range(world)):
@@ -334,6 +353,17 @@ class StreamLoader:
         from .elastic import upgrade_state
 
         return upgrade_state(state, [s.num_samples for s in self.sets], STATE_VERSION)
+
+
+def shard_layout(source: ShardSet) -> str:
+    """A digest of a source's shards (names and sample counts, in manifest order): a source rebuilt
+    with other shards keeps its label and sample count, but its saved positions (each epoch's order
+    is a shuffle of its shards) would name other documents, so a resume compares this too."""
+    import hashlib
+    import json
+
+    layout = json.dumps([[sh.name, sh.num_samples] for sh in source.shards], separators=(",", ":"))
+    return hashlib.sha256(layout.encode()).hexdigest()[:16]
 
 
 def json_safe(value):

@@ -206,9 +206,11 @@ class Trainer:
         if resume is not None:
             data_states = self._restore(resume, resume_note)
         if data_states is not None and cfg.checkpoint.resume_data == "restart":
+            if hasattr(self.train_loader, "start_at_step"):  # source schedules count from the run's step
+                self.train_loader.start_at_step(self.step)
             log.info("checkpoint.resume_data=restart: the model, optimizer, schedule and step %d come from %s; the "
-                     "data stream starts anew (every source from its beginning, data.seed %d)", self.step,
-                     self.last_checkpoint, cfg.data.seed)
+                     "data stream starts anew (every source from its beginning, data.seed %d; source schedules "
+                     "count from step %d)", self.step, self.last_checkpoint, cfg.data.seed, self.step)
         elif data_states is not None:
             try:
                 self._load_data_states(data_states, cfg.checkpoint.resume_data)
