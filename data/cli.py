@@ -173,6 +173,9 @@ def register(sub) -> None:
     f.add_argument("--fetch-workers", type=int, default=16, metavar="N", help="requests in flight at once (default 16)")
     f.add_argument("--fetch-timeout", type=float, default=10.0, metavar="SECONDS", help="seconds to connect and for each wait for "
                    "bytes before a try counts as a timeout (default 10)")
+    f.add_argument("--fetch-deadline", type=float, default=120.0, metavar="SECONDS", help="seconds one try may take in all, "
+                   "redirects and the whole body included: a server that trickles bytes is a timeout, not tried again in "
+                   "this build (default 120)")
     f.add_argument("--fetch-retries", type=int, default=3, metavar="N", help="more tries after a 429, 5xx, timeout or broken "
                    "connection, waiting 0.5s, 1s, 2s, ... or what Retry-After asks (capped at 30s) (default 3)")
     f.add_argument("--fetch-cache", default="", metavar="DIR", help="where fetched bodies and failures are kept by URL "
@@ -294,7 +297,8 @@ def _build(args) -> int:
     if args.fetch_media:
         from omniloom.data.prep.fetch import FetchOptions
 
-        fetch = FetchOptions(workers=args.fetch_workers, timeout=args.fetch_timeout, retries=args.fetch_retries, cache=args.fetch_cache,
+        fetch = FetchOptions(workers=args.fetch_workers, timeout=args.fetch_timeout, deadline=args.fetch_deadline,
+                             retries=args.fetch_retries, cache=args.fetch_cache,
                              honour_robots=not args.fetch_ignore_robots_tag, retry_transient=args.fetch_retry_transient)
     elif args.fetch_cache or args.fetch_ignore_robots_tag or args.fetch_retry_transient:
         raise ValueError("--fetch-cache, --fetch-ignore-robots-tag and --fetch-retry-transient need --fetch-media")

@@ -94,6 +94,7 @@ class FetchOptions:
 
     workers: int = 16  # --fetch-workers: requests in flight at once
     timeout: float = 10.0  # --fetch-timeout: seconds to connect and for each wait for bytes
+    deadline: float = 120.0  # --fetch-deadline: seconds one try may take in all (redirects and the whole body)
     retries: int = 3  # --fetch-retries: more tries after a 429, 5xx, timeout or connection error
     backoff: float = 0.5  # first wait before a retry, doubled each time
     max_wait: float = 30.0  # cap of one wait (a Retry-After too)
@@ -103,11 +104,17 @@ class FetchOptions:
     cache: str = ""  # --fetch-cache; "": OUT/.fetch-cache
 
     def __post_init__(self):
-        if self.workers < 1 or self.timeout <= 0 or self.retries < 0 or self.max_redirects < 0:
-            raise ValueError("--fetch-workers must be >= 1, --fetch-timeout > 0 and --fetch-retries >= 0")
+        if self.workers < 1 or self.timeout <= 0 or self.deadline <= 0 or self.retries < 0 or self.max_redirects < 0:
+            raise ValueError("--fetch-workers must be >= 1, --fetch-timeout and --fetch-deadline > 0 and --fetch-retries >= 0")
 
     def settings(self) -> dict:
         return {"x_robots_tag": "honour" if self.honour_robots else "ignore"}
+
+
+class FetchCacheError(OSError, ValueError):
+    """The fetch cache's index cannot be used (locked past its timeout, disk full, corrupt): the
+    build stops and says so in one line (a ValueError: a user error the CLI prints as one),
+    instead of turning every URL into a reject."""
 
 
 class FetchCache:
@@ -134,15 +141,20 @@ class FetchCache:
         """Run `query` on the one connection, under the lock: the threads take turns in Python, which
         costs microseconds, where a connection each made them wait in SQLite's busy handler (sleeps
         of a millisecond and more; a fifth of the fetch rate at 64 threads)."""
-        with self.lock:
-            if self.db is None:
-                import sqlite3
+        import sqlite3
 
-                self.db = sqlite3.connect(os.path.join(self.root, "index.sqlite"), timeout=120, isolation_level=None,
-                                          check_same_thread=False)
-                self.db.execute("PRAGMA journal_mode=WAL")
-                self.db.execute("PRAGMA synchronous=NORMAL")
-            return self.db.execute(query, args).fetchall()
+        with self.lock:
+            try:
+                if self.db is None:
+                    self.db = sqlite3.connect(os.path.join(self.root, "index.sqlite"), timeout=120, isolation_level=None,
+                                              check_same_thread=False)
+                    self.db.execute("PRAGMA journal_mode=WAL")
+                    self.db.execute("PRAGMA synchronous=NORMAL")
+                return self.db.execute(query, args).fetchall()
+            except sqlite3.Error as err:
+                raise FetchCacheError(f"the fetch cache {os.path.join(self.root, 'index.sqlite')} cannot be used: {err} "
+                                      "(another build holding it, a full disk, or a damaged file: free space, wait for the "
+                                      "other build, or give --fetch-cache another folder)") from err
 
     def load(self, url: str) -> dict | None:
         """The cached answer (a good one with `path`, `offset`: where its body is), None when there is none."""
@@ -199,9 +211,14 @@ class FetchCache:
 
 
 class _Failed(Exception):
-    def __init__(self, code: str, reason: str, *, transient: bool, wait: float | None = None):
+    """A try's failure. `transient`: cached as such (--fetch-retry-transient asks again); `retry`:
+    tried again within this build (a transient failure but one past --fetch-deadline, which would
+    hold the build up as long again)."""
+
+    def __init__(self, code: str, reason: str, *, transient: bool, wait: float | None = None, retry: bool | None = None):
         super().__init__(reason)
         self.code, self.reason, self.transient, self.wait = code, reason, transient, wait
+        self.retry = transient if retry is None else retry
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -227,11 +244,12 @@ class Fetcher:
         self.local = threading.local()
 
     def submit(self, url: str, kind: str):
-        fut = self.inflight.get(url)
+        # by URL and kind: a URL used as an image and as a video is answered under each one's size limit
+        fut = self.inflight.get((url, kind))
         if fut is None:
             if len(self.inflight) > 4096:
-                self.inflight = {u: f for u, f in self.inflight.items() if not f.done()}
-            fut = self.inflight[url] = self.pool.submit(self._answer, url, kind)
+                self.inflight = {k: f for k, f in self.inflight.items() if not f.done()}
+            fut = self.inflight[(url, kind)] = self.pool.submit(self._answer, url, kind)
         return fut
 
     def close(self) -> None:
@@ -250,7 +268,7 @@ class Fetcher:
         try:
             rec = self._download(url, limit)
         except OSError:
-            raise  # the cache's disk (full, unwritable): the build stops and says so
+            raise  # the cache's disk (full, unwritable) or its index (FetchCacheError): the build stops and says so
         except Exception as err:  # noqa: BLE001 - a bug or an exotic answer must not kill the build; not cached
             return ("fail", "error", f"{url[:200]}: unexpected {type(err).__name__}: {err}")
         return self._view(rec)
@@ -289,10 +307,10 @@ class Fetcher:
                     return self.cache.store(url, {"ok": True, "bytes": len(data), "robots": robots,
                                                   "content_type": headers.get("Content-Type", "")}, data)
                 except _Failed as f:
-                    if not f.transient or attempt == o.retries:
+                    if not f.retry or attempt == o.retries:
                         with self.lock:
                             self.failed[f.code] += 1
-                        reason = f.reason + (f" (after {attempt + 1} tries)" if f.transient else "")
+                        reason = f.reason + (f" (after {attempt + 1} tries)" if f.retry else "")
                         return self.cache.store(url, {"ok": False, "code": f.code, "reason": reason, "transient": f.transient,
                                                       "limit": limit})
                     wait = min(o.max_wait, f.wait if f.wait is not None else o.backoff * 2 ** attempt)
@@ -315,6 +333,7 @@ class Fetcher:
         carried (when they are not honoured), following at most `max_redirects` redirects."""
         seen = [url]
         where = url[:200]
+        deadline = time.monotonic() + self.opts.deadline
         while True:
             self._count("requests")
             req = urllib.request.Request(iri_to_uri(seen[-1]), headers={"User-Agent": self.ua, "Accept": "image/*,video/*;q=0.9,*/*;q=0.5"})
@@ -344,9 +363,9 @@ class Fetcher:
             except (OSError, ValueError) as err:  # http.client errors (a bad status line) are OSErrors too
                 raise _classify(where, err, self.opts.timeout) from None
             with resp:
-                return self._read(resp, where, limit)
+                return self._read(resp, where, limit, deadline)
 
-    def _read(self, resp, where: str, limit: int) -> tuple[bytes, dict, list]:
+    def _read(self, resp, where: str, limit: int, deadline: float) -> tuple[bytes, dict, list]:
         headers = resp.headers
         robots = robots_opt_out(headers.get_all("X-Robots-Tag") or [])
         if robots and self.opts.honour_robots:
@@ -359,7 +378,10 @@ class Fetcher:
         buf = bytearray()
         try:
             while len(buf) <= limit:
-                chunk = resp.read(min(_CHUNK, limit + 1 - len(buf)))
+                if time.monotonic() > deadline:  # a server that trickles bytes never trips the timeout of one wait
+                    raise _Failed("timeout", f"{where}: the answer took longer than --fetch-deadline {self.opts.deadline:g}s "
+                                             f"({len(buf)} bytes read); not tried again in this build", transient=True, retry=False)
+                chunk = resp.read1(min(_CHUNK, limit + 1 - len(buf)))  # one recv: read(n) waits for all n bytes
                 if not chunk:
                     break
                 buf += chunk
@@ -369,6 +391,10 @@ class Fetcher:
         except (OSError, ValueError) as err:  # IncompleteRead, a reset connection
             raise _Failed("connection-error", f"{where}: the body broke off after {len(buf)} bytes ({type(err).__name__})",
                           transient=True) from None
+        if declared and declared.strip().isdigit() and len(buf) < int(declared):
+            # http.client ends a body at a closed connection without a word (no IncompleteRead for read(n))
+            raise _Failed("connection-error", f"{where}: the body broke off after {len(buf)} of its {int(declared)} bytes "
+                                              "(Content-Length)", transient=True)
         if len(buf) > limit:
             raise _Failed("too-large", f"{where}: the body is above the limit {limit} (--max-image-bytes / --max-video-bytes); "
                                        f"stopped reading at {len(buf)} bytes", transient=False)

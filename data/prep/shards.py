@@ -313,6 +313,9 @@ def _build_locked(sources, out, *, name, workers, part, shard_max_docs, shard_ma
             raise ValueError(f"{out} already holds a finished build with different settings; choose another --out or pass --overwrite")
         if man.get("inputs") != _inputs(header):
             raise ValueError(f"{out} already holds a finished build, but the inputs changed since (files added, removed or resized); pass --overwrite to rebuild")
+        if fetch is not None and fetch.retry_transient:  # the finished shards are not rebuilt: say how to ask again
+            log.warning("%s is already complete, so --fetch-retry-transient asks nothing: pass --overwrite too to rebuild it "
+                        "(the fetch cache keeps every fetched body: only the transient failures are asked again)", out)
         log.info("%s is already complete (same settings and inputs); nothing to do", out)
         return {"complete": True, "already": True, "documents": man["totals"]["documents"], "shards": len(man["shards"]), "seconds": 0.0}
     records = _open_journal(out, header)

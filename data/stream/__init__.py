@@ -2,7 +2,8 @@
 and worker.
 
     reader.py       samples read from shards by manifest offset, untrusted (skips counted by reason)
-    loader.py       WorkerStream, StreamDataset, StreamLoader, build_loader
+    loader.py       StreamLoader, build_loader, DocumentTokenizer
+    worker.py       WorkerStream (one reader slot's pipeline), StreamDataset, the workers' signal guard
     cursor.py, elastic.py, state_check.py   the exact and elastic resume state
     doc_cache.py    tokenized documents kept per loader worker
     stream_bench.py `omniloom bench data stream`
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 import importlib
 
-_LAZY = {"build_loader": "loader", "StreamLoader": "loader", "StreamDataset": "loader", "WorkerStream": "loader",
-         "StreamDataError": "loader"}
+_LAZY = {"build_loader": "loader", "StreamLoader": "loader", "StreamDataset": "worker", "WorkerStream": "worker",
+         "StreamDataError": "worker"}
 
 __all__ = sorted(_LAZY)
 

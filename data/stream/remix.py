@@ -5,8 +5,9 @@ index into an epoch's sample order, n a source's sample count.
 
 A saved loader state describes each source by its index i: the slots' cursors, their explicit
 sequences (`pending`), and the buffered references (i, e, g). A source is *kept* when the new mix
-holds one of the same label (its name, else its path) and sample count; sources that are new, or
-whose sample count changed, start at their beginning; sources no longer in the mix are dropped,
+holds one of the same label (its name, else its path), sample count and shard layout (the names
+and sample counts of its shards, as a digest; a state saved before the digest matches on label
+and count); sources that are new, or whose samples or shards changed, start at their beginning; sources no longer in the mix are dropped,
 with their buffered documents (counted as skipped `source_removed`). Weights may change freely:
 they only steer the draws from now on.
 
@@ -31,21 +32,40 @@ from .elastic import drop_first
 
 
 def source_key(entry) -> tuple[str, int]:
-    """(label, sample count) of a fingerprint's sources entry [label, weight, n]."""
+    """(label, sample count) of a fingerprint's sources entry [label, weight, n, layout?]."""
     return str(entry[0]), int(entry[2])
 
 
+def shard_layout(entry) -> str | None:
+    """The digest of a source's shard names and sample counts (loader.shard_layout), None in a
+    state saved before it."""
+    return str(entry[3]) if len(entry) > 3 else None
+
+
+def same_source(old_entry, new_entry) -> bool:
+    """Same label and sample count, and the same shards where both say which."""
+    a, b = shard_layout(old_entry), shard_layout(new_entry)
+    return source_key(old_entry) == source_key(new_entry) and (a is None or b is None or a == b)
+
+
 def plan(old_sources: list, new_sources: list) -> dict[int, int]:
-    """{old index: new index} of the sources kept (same label and sample count; the first match)."""
-    free: dict[tuple[str, int], list[int]] = {}
-    for j, entry in enumerate(new_sources):
-        free.setdefault(source_key(entry), []).append(j)
+    """{old index: new index} of the sources kept (same_source; the first match)."""
+    free = list(range(len(new_sources)))
     out = {}
     for i, entry in enumerate(old_sources):
-        js = free.get(source_key(entry))
-        if js:
-            out[i] = js.pop(0)
+        j = next((j for j in free if same_source(entry, new_sources[j])), None)
+        if j is not None:
+            out[i] = j
+            free.remove(j)
     return out
+
+
+def comparable(old_sources: list, new_sources: list) -> tuple[list, list]:
+    """Both lists as a saved state can be compared with this run's: without the shard layouts when
+    the saved one has none (a state saved before them)."""
+    if any(len(e) < 4 for e in old_sources):
+        return [list(e)[:3] for e in old_sources], [list(e)[:3] for e in new_sources]
+    return [list(e) for e in old_sources], [list(e) for e in new_sources]
 
 
 def describe(old_sources: list, new_sources: list, kept: dict[int, int]) -> str:
@@ -96,6 +116,11 @@ def _translate(ivs: Intervals, epoch: int, old: _Orders, new: _Orders) -> Interv
     return out
 
 
+def _filter(schedule: list | None, i: int) -> list[str]:
+    """Source i's modality filter in a fingerprint's schedule ([] for none)."""
+    return sorted(schedule[i][2]) if schedule else []
+
+
 def _translate_ref(ref, old: _Orders, new: _Orders, j: int) -> list:
     _, epoch, g = (int(x) for x in ref)
     ((lo, _),) = _translate([(g, g + 1)], epoch, old, new)
@@ -107,10 +132,11 @@ def remap_states(states: list[dict], new_sources: list, shard_counts: list[list[
     """Every saved rank's state rewritten for the new mix (fingerprint sources and `schedule`, the
     new per-source schedule or None, replaced): kept sources continue, others start fresh.
     `shard_counts[j]`: the samples of each shard of new source j (the kept sources' shards are the
-    saved ones: same label, same sample count)."""
+    saved ones: same label, sample count and, where the state says, shard layout)."""
     old_sources = states[0]["fingerprint"]["sources"]
     kept = plan(old_sources, new_sources)
     fp = states[0]["fingerprint"]
+    old_schedule = fp.get("schedule")
     workers = max(int(fp["num_workers"]), 1)
     num_slots = int(fp["world_size"]) * workers
     orders = {i: (_Orders(np.asarray(shard_counts[j], np.int64), seed, i), _Orders(np.asarray(shard_counts[j], np.int64), seed, j))
@@ -162,8 +188,10 @@ def remap_states(states: list[dict], new_sources: list, shard_counts: list[list[
                 cursors[j] = [epoch, 0]
                 pending[j] = [[e, [list(iv) for iv in ivs]] for e, ivs in sorted(seqs.items())]
             ws["cursors"], ws["pending"] = cursors, pending
-            if ws.get("barren"):  # filtered sources found empty (data/stream/schedule.py), by index
-                ws["barren"] = sorted(kept[int(i)] for i in ws["barren"] if int(i) in kept)
+            if ws.get("barren"):  # filtered sources found empty (data/stream/schedule.py), by index: still
+                # empty only under the same modality filter; under another one they are looked at again
+                ws["barren"] = sorted(kept[int(i)] for i in ws["barren"]
+                                      if int(i) in kept and _filter(old_schedule, int(i)) == _filter(schedule, kept[int(i)]))
             # the buffered documents of a source no longer in the mix are dropped, and counted
             removed = sum(int(ref[0]) not in kept for ref in ws["shuffle"])
             removed += len({tuple(ref) for ref, _ in ws["packer"] if int(ref[0]) not in kept})

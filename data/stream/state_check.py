@@ -7,7 +7,7 @@ front with one line naming the field, as the loader already refuses another data
 
 Layout checked (state version 2; a version-1 state is checked for its shape, then upgraded, then
 checked whole): {version, rank, fingerprint: {world_size, num_workers, sources: [[label, weight,
-num_samples]], schedule?: [[start_step, end_step, [modality, ...]]] per source, ...}, consumed,
+num_samples, shard layout?]], schedule?: [[start_step, end_step, [modality, ...]]] per source, ...}, consumed,
 step?: [training step of the next batch, batches of that step already consumed], workers: [one per worker: None or {rng, cursors: [[epoch, pos]]
 per source, pending?: per source [[epoch, [[lo, hi], ...]], ...], shuffle: [[source, epoch, g]],
 packer: [[[source, epoch, g], piece]], skipped: {reason: n}, token_stats: {name: n}, docs,
@@ -74,8 +74,12 @@ def check_shape(state, who: str = "data-loader state") -> tuple[int, int, int]:
     _list(workers, f"{who}: workers", max(num_workers, 1))
     sources = _list(fp["sources"], f"{who}: fingerprint.sources")
     for s, src in enumerate(sources):
-        src = _list(src, f"{who}: fingerprint.sources[{s}]", 3)
+        src = _list(src, f"{who}: fingerprint.sources[{s}]")
+        if len(src) not in (3, 4):  # the 4th, the shard layout's digest, is absent in states saved before it
+            raise LoaderStateError(f"{who}: fingerprint.sources[{s}] has {len(src)} entries, not 3 or 4")
         _int(src[2], f"{who}: fingerprint.sources[{s}] sample count", 1)
+        if len(src) == 4 and not isinstance(src[3], str):
+            raise LoaderStateError(f"{who}: fingerprint.sources[{s}] shard layout is {src[3]!r}, not a digest")
     if fp.get("schedule") is not None:  # data/stream/schedule.py: per source [start_step, end_step, modalities]
         for s, entry in enumerate(_list(fp["schedule"], f"{who}: fingerprint.schedule", len(sources))):
             start, end, mods = _list(entry, f"{who}: fingerprint.schedule[{s}]", 3)

@@ -141,6 +141,7 @@ def plot(result: dict, path: Path) -> Path | None:
         xs, ys, errs = zip(*pts)
         ax.errorbar(xs, ys, yerr=errs, marker=".", capsize=2, label=a["label"])
     ax.set_xscale("log")
+    ax.set_yscale("log")  # an arm that has not met captions yet (text-first before its switch) sits far above
     ax.set_xlabel("training FLOPs")
     ax.set_ylabel("held-out loss, first held-out set (nats/token)")
     ax.set_title(f"bench arch: {result['preset']}")

@@ -242,18 +242,22 @@ def _join(m: Machines, timeout_s: float, report_every_s: float) -> None:
         time.sleep(_POLL_S)
     with conn:
         conn.settimeout(_POLL_S)
-        why = "joined; waiting for the other machines"
+        why = "connected; machine_rank 0 has not answered yet"  # "joined" only once it says ok
         _send(conn, f"{_HELLO} num_machines={m.num_machines} machine_rank={m.machine_rank} "
                     f"host={socket.gethostname()}")
         buffer = b""
         while True:
             if time.monotonic() - start > timeout_s:
-                raise RendezvousError(f"machine_rank {m.machine_rank} joined machine_rank 0 at {m.where}, but not every "
+                raise RendezvousError(f"machine_rank {m.machine_rank} reached machine_rank 0 at {m.where}, but not every "
                                       f"machine had joined within {timeout_s:g} s ({why}); see machine_rank 0's output")
             try:
                 chunk = conn.recv(4096)
             except socket.timeout:
                 continue
+            except OSError as err:  # a reset: machine_rank 0 stopped, or another program holds the port
+                raise RendezvousError(f"machine_rank 0 at {m.where} dropped the connection before every machine joined "
+                                      f"({err.strerror or type(err).__name__}; it was stopped, or it is another program "
+                                      "on that port)") from None
             if not chunk:
                 raise RendezvousError(f"machine_rank 0 at {m.where} closed the connection before every machine joined "
                                       "(it was stopped, or it is another program on that port)")

@@ -6,7 +6,8 @@
     main.py        entry point: argparse, the run, failures in one line;  args.py  the shared flags
     loop.py        Trainer (the loop, top to bottom), run(), make_accelerator
     build.py       the seams to model / data / tokenizers;  optim.py  parallel.py  expert_parallel.py
-    guards.py      non-finite and spike guards;  metrics.py  preflight.py  resume_batch.py
+    guards.py      non-finite and spike guards;  metrics.py  window.py (a logging window's metrics)
+    preflight.py   resume_batch.py  trackers.py  adapter.py
     init_from.py   start from an export's weights;  runlock.py  one run per run folder
     cli.py         `omniloom train`
 

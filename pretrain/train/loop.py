@@ -41,13 +41,14 @@ from . import build as B
 from .expert_parallel import find_plan, shard_range
 from .guards import NonFiniteGuard, SpikeDetector
 from .init_from import check_init_from, load_init_weights
-from .metrics import MetricsLogger, StepTimer, expert_balance, mfu, peak_flops_per_device, per_modality_losses
+from .metrics import MetricsLogger, StepTimer, peak_flops_per_device, per_modality_losses
 from .optim import build_optimizer, build_scheduler
 from .parallel import apply_parallelism, check_launch, seed_everything, set_deterministic
 from .preflight import check_sources, check_step_memory, warn_ignored_settings
 from .resume_batch import keep_global_batch
 from .runlock import claim_collective
 from .trackers import check_installed
+from .window import Window, rank_loader_metrics, window_metrics
 
 log = logging.getLogger("omniloom.train")
 
@@ -205,9 +206,11 @@ class Trainer:
         if resume is not None:
             data_states = self._restore(resume, resume_note)
         if data_states is not None and cfg.checkpoint.resume_data == "restart":
+            if hasattr(self.train_loader, "start_at_step"):  # source schedules count from the run's step
+                self.train_loader.start_at_step(self.step)
             log.info("checkpoint.resume_data=restart: the model, optimizer, schedule and step %d come from %s; the "
-                     "data stream starts anew (every source from its beginning, data.seed %d)", self.step,
-                     self.last_checkpoint, cfg.data.seed)
+                     "data stream starts anew (every source from its beginning, data.seed %d; source schedules "
+                     "count from step %d)", self.step, self.last_checkpoint, cfg.data.seed, self.step)
         elif data_states is not None:
             try:
                 self._load_data_states(data_states, cfg.checkpoint.resume_data)
@@ -234,7 +237,7 @@ class Trainer:
                                progress_seconds=cfg.logging.progress_seconds)
         self.shutdown.install()
         losses: list[float] = []
-        window = _Window()
+        window = Window([k for k in MEAN_KEYS if k != "loss"])
         stopped_by = "done"
         try:
             if cfg.train.eval_every > 0 and self.step == 0:
@@ -263,7 +266,7 @@ class Trainer:
                             log.warning("step %d: %s spike, z-score %.1f (window %d)", self.step, name, z, det.window)
                 if self.step % cfg.logging.every == 0 or self.step == cfg.train.num_steps:
                     record.update(self._window_metrics(window))
-                    window = _Window()
+                    window = Window([k for k in MEAN_KEYS if k != "loss"])
                 logger.log(record, self.step)
                 logger.progress(self.step, {"loss": stats["loss"], "lr": record["lr"]}, tokens_seen=self.tokens_seen)
 
@@ -522,65 +525,16 @@ class Trainer:
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
 
-    def _window_metrics(self, w: "_Window") -> dict:
-        """Averages over the steps since the last log line."""
-        n = max(1, w.steps)
-        out = {k: w.sums[k] / n for k in ("ce_loss", "z_loss", "aux_loss", "router_z_loss")}
-        out["final_out_rms"] = w.sums["out_norm"] / n
-        if self.has_indexer:  # the learned B-layer selector: its loss, KL and coverage per layer
-            out["indexer/loss"] = w.sums["indexer_loss"] / n
-            for j, layer in enumerate(self.b_layers):
-                out[f"indexer/kl_layer{layer}"] = float(w.indexer_kl[j]) / n
-                out[f"attn/coverage_layer{layer}"] = float(w.coverage[j]) / n
-        out.update(per_modality_losses(w.ce_sum_M, w.count_M, "loss"))
-        tokens_per_s = w.tokens / max(w.wall, 1e-9)
-        out["tokens_per_s"] = tokens_per_s
-        out["tokens_per_s_per_device"] = tokens_per_s / self.acc.num_processes
-        visual = w.visual_flops / max(w.wall, 1e-9) / self.acc.num_processes  # a vision encoder's FLOPs
-        u = mfu(self.flops_per_token, out["tokens_per_s_per_device"], self.peak_flops, visual)
-        if u is not None:
-            out["mfu"] = u
-        phases = sum(w.phases.values())
-        for name, seconds in w.phases.items():
-            out[f"time/{name}_s"] = seconds / n
-        out["data_wait_fraction"] = w.phases.get("data", 0.0) / max(w.wall, 1e-9)
-        out["step_time_s"] = w.wall / n
-        out["time/other_s"] = max(0.0, w.wall - phases) / n
-        if w.counts_LME is not None:
-            counts = w.counts_LME.cpu()
-            out.update(expert_balance(counts))
-            out["moe/counts_LME"] = counts.tolist()  # raw loads for the report's heatmap (JSONL only)
+    def _window_metrics(self, w: Window) -> dict:
+        """Averages over the steps since the last log line, and the loader's counters."""
+        out = window_metrics(w, num_processes=self.acc.num_processes, flops_per_token=self.flops_per_token,
+                             peak_flops=self.peak_flops,
+                             indexer_layers=self.b_layers if self.has_indexer else None)
         out.update(self._loader_metrics())
         return out
 
     def _loader_metrics(self) -> dict:
-        """The loader's counters under `data/` (build.loader_metrics). With several processes the
-        padding fraction and the token shares are over every rank's batches (the window's counts
-        summed over ranks), not this rank's part of the global batch, which with grouped shards can
-        be mostly one modality; the skip counts (`data/skipped/*`, `data/skipped_total`) and the
-        tokenizer's counters (`data/tokenizer/*`) are summed over ranks too. One gather of each
-        rank's counts as objects (the skip reasons differ between ranks). The rates and the
-        document cache's figures stay this rank's. A collective: every rank calls it on the same
-        (logging) steps."""
-        out = B.loader_metrics(self.train_loader)
-        if self.acc.num_processes == 1 or not hasattr(self.train_loader, "last_window"):
-            return out
-        from accelerate.utils import gather_object
-
-        from omniloom.data.stream.loader import composition
-
-        window = self.train_loader.last_window or {"tokens": [0] * B.NUM_MODALITIES, "padding": 0}
-        counts = {k: v for k, v in out.items()
-                  if k.startswith(("data/skipped/", "data/tokenizer/")) or k == "data/skipped_total"}
-        tokens, padding, summed = [0] * B.NUM_MODALITIES, 0, {}
-        for rank_window, rank_counts in gather_object([(window, counts)]):
-            tokens = [a + b for a, b in zip(tokens, rank_window["tokens"], strict=True)]
-            padding += rank_window["padding"]
-            for k, v in rank_counts.items():
-                summed[k] = summed.get(k, 0.0) + v
-        out.update({f"data/{k}": v for k, v in composition(tokens, padding).items()})
-        out.update(summed)
-        return out
+        return rank_loader_metrics(self.train_loader, self.acc.num_processes)  # a collective with several ranks
 
     # ---- units the loop calls ---------------------------------------------------------------
     def save(self) -> None:
@@ -697,36 +651,6 @@ class Trainer:
 def _release_lock(lock) -> None:
     if lock is not None:
         lock.release()
-
-
-class _Window:
-    """Sums over the steps between two log lines."""
-
-    def __init__(self):
-        self.steps, self.wall, self.tokens, self.visual_flops = 0, 0.0, 0.0, 0.0
-        self.sums = {k: 0.0 for k in MEAN_KEYS if k != "loss"}
-        self.ce_sum_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
-        self.count_M = torch.zeros(B.NUM_MODALITIES, dtype=torch.float64)
-        self.counts_LME = None
-        self.indexer_kl = self.coverage = None
-        self.phases: dict[str, float] = {}
-
-    def add(self, stats: dict, counts_LME, wall: float, phases: dict) -> None:
-        self.steps += 1
-        self.wall += wall
-        self.tokens += stats["tokens"]
-        self.visual_flops += stats["visual_flops"]
-        for k in self.sums:
-            self.sums[k] += stats[k]
-        self.ce_sum_M += stats["ce_sum_M"]
-        self.count_M += stats["count_M"]
-        self.indexer_kl = stats["indexer_kl"] if self.indexer_kl is None else self.indexer_kl + stats["indexer_kl"]
-        self.coverage = stats["coverage"] if self.coverage is None else self.coverage + stats["coverage"]
-        if counts_LME is not None:  # summed on the device; read once, at the log line
-            c = counts_LME.detach().double()
-            self.counts_LME = c if self.counts_LME is None else self.counts_LME + c
-        for k, v in phases.items():
-            self.phases[k] = self.phases.get(k, 0.0) + v
 
 
 def run(cfg: RunConfig, **kwargs) -> TrainResult:

@@ -257,6 +257,95 @@ def test_killed_build_resumes_without_fetching_twice(tmp_path, route_server, htt
         assert sorted(p for p, _, _ in requests) == sorted([f"/{i}.png" for i in range(10)] * 2)
 
 
+def _short_body(h, n):
+    """Content-Length says more than is sent before the connection closes."""
+    h.send_response(200)
+    h.send_header("Content-Length", "5000")
+    h.end_headers()
+    h.wfile.write(_png(8)[:12])  # the handler returns: an HTTP/1.0 connection closes
+
+
+def _trickle(h, n):
+    """A byte every 0.1 s: no single wait reaches --fetch-timeout."""
+    h.send_response(200)
+    h.send_header("Content-Length", "200")
+    h.end_headers()
+    try:
+        for _ in range(60):
+            h.wfile.write(b"x")
+            h.wfile.flush()
+            time.sleep(0.1)
+    except OSError:  # the client gave up
+        pass
+
+
+def test_a_short_body_a_trickle_and_a_url_used_as_image_and_video(tmp_path, route_server, http_reply, no_proxy):
+    from omniloom.data.prep.fetch import Fetcher
+
+    both = b"\x00" * (3 * CAP)
+    routes = {"/short.png": _short_body, "/trickle.png": _trickle, "/both": lambda h, n: http_reply(h, 200, both)}
+    opts = FetchOptions(workers=2, timeout=1.0, deadline=0.8, retries=1, backoff=0.05, cache=str(tmp_path / "cache"))
+    with route_server(routes) as (base, requests):
+        f = Fetcher(opts, opts.cache, MediaLimits(max_image_bytes=CAP))
+        try:
+            short = f.submit(base + "/short.png", "image").result()
+            t0 = time.monotonic()
+            trickle = f.submit(base + "/trickle.png", "image").result()
+            took = time.monotonic() - t0
+            as_image, as_video = f.submit(base + "/both", "image"), f.submit(base + "/both", "video")
+            assert as_image is not as_video  # each kind is answered under its own size limit
+            as_image, as_video = as_image.result(), as_video.result()
+        finally:
+            f.close()
+    # a body cut short is a retried connection-error, cached as a transient failure, never as an answer
+    assert short[:2] == ("fail", "connection-error") and "after 12 of its 5000 bytes" in short[2], short
+    assert _count(requests, "/short.png") == 2
+    # a trickle ends at --fetch-deadline, once (trying again would hold the build up as long again)
+    assert trickle[:2] == ("fail", "timeout") and "--fetch-deadline 0.8s" in trickle[2], trickle
+    assert _count(requests, "/trickle.png") == 1 and took < 3.0
+    assert as_image[:2] == ("fail", "too-large") and as_video[0] == "ok" and as_video[3] == len(both)
+    held = cache_stats(opts.cache)
+    assert held["failed"] == {"connection-error": 1, "timeout": 1, "too-large": 1} and held["transient"] == 2
+
+
+def test_a_fetch_cache_that_cannot_be_written_stops_the_build_in_one_line(tmp_path, route_server, routes, no_proxy, monkeypatch,
+                                                                         capsys):
+    import sqlite3
+
+    from omniloom.pretrain.cli import main
+
+    real_connect = sqlite3.connect
+
+    class Full:  # an index on a disk that filled up: every write fails
+        def __init__(self, *a, **kw):
+            self.db = real_connect(*a, **kw)
+
+        def execute(self, query, args=()):
+            if query.startswith("INSERT"):
+                raise sqlite3.OperationalError("database or disk is full")
+            return self.db.execute(query, args)
+
+        def close(self):
+            self.db.close()
+
+    with route_server(routes) as (base, requests):
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "docs.jsonl").write_text(json.dumps({"texts": ["a", None], "images": [None, base + "/ok1.png"]}) + "\n")
+        argv = ["-q", "data", "build", str(src), "--out", str(tmp_path / "out"), "--fetch-media", "--max-image-bytes", str(CAP)]
+        with monkeypatch.context() as m:
+            m.setattr(sqlite3, "connect", Full)
+            assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the fetch cache" in err[0] and "database or disk is full" in err[0], err
+        assert not (tmp_path / "out" / "manifest.json").exists()
+        # the same build with a working cache; then --fetch-retry-transient on the finished build says to add --overwrite
+        assert main(argv) == 0 and (tmp_path / "out" / "manifest.json").exists()
+        capsys.readouterr()
+        assert main([*argv, "--fetch-retry-transient"]) == 0
+        assert "already complete, so --fetch-retry-transient asks nothing: pass --overwrite" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("values, opted", [
     (["noai"], ["noai"]), (["noimageai, nofollow"], ["noimageai"]), (["noindex"], ["noindex"]), (["omniloom: noimageindex"], ["noimageindex"]),
     (["otherbot: noai"], []), (["none"], []), (["nofollow", "googlebot: noindex"], []), ([], []),
@@ -271,8 +360,8 @@ def test_build_help_explains_the_flags(capsys):
     with pytest.raises(SystemExit):
         main(["build", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--fetch-media", "--fetch-workers", "--fetch-timeout", "--fetch-retries", "--fetch-cache", "--fetch-ignore-robots-tag",
-                 "--fetch-retry-transient", "media by URL", "X-Robots-Tag", "redirect-loop"):
+    for flag in ("--fetch-media", "--fetch-workers", "--fetch-timeout", "--fetch-deadline", "--fetch-retries", "--fetch-cache",
+                 "--fetch-ignore-robots-tag", "--fetch-retry-transient", "media by URL", "X-Robots-Tag", "redirect-loop"):
         assert flag in out, flag
 
 

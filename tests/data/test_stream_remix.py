@@ -82,6 +82,46 @@ def test_plan_keeps_sources_of_the_same_label_and_size():
     assert plan(old, new) == {0: 2, 1: 1}  # 'gone' changed size: it starts anew
 
 
+def test_plan_keeps_a_source_only_with_the_same_shards_where_both_states_say():
+    old = [["a", 1.0, 45, "x1"], ["b", 1.0, 24, "y1"], ["c", 1.0, 16]]
+    new = [["a", 1.0, 45, "x2"], ["b", 1.0, 24, "y1"], ["c", 1.0, 16, "z1"]]
+    assert plan(old, new) == {1: 1, 2: 2}  # a was re-sharded; c's saved state predates the digest
+
+
+def test_a_resharded_source_is_named_on_exact_resume_and_starts_anew_with_keep_unchanged(corpus, tmp_path):
+    """The same 45 documents of `a` rebuilt into other shards: same label, same sample count, but
+    each epoch's order (a shuffle of its shards) names other documents at the saved positions."""
+    docs = synthetic_documents(45, seed=1, mean_text=120)
+    resharded = {**corpus, "a": write_shards(str(tmp_path / "a"), docs, name="a", docs_per_shard=[15, 15, 15])}
+    mix = [("a", 2.0), ("b", 1.0)]
+    states = _steps(_loaders(corpus, mix, 1, 1), 3, [], ["a", "b"])
+    with pytest.raises(ValueError, match="source 'a' has other shards than when the state was saved"):
+        _loaders(resharded, mix, 1, 1, states=states)
+    (loader,) = _loaders(resharded, mix, 1, 1, states=states, sources="keep_unchanged")
+    assert "continuing where they were: b;" in loader.remixed and "(new or changed): a;" in loader.remixed
+    # a state saved before the digest (3 entries per source) still resumes exactly on unchanged shards
+    old_style = json.loads(json.dumps(states))
+    old_style[0]["fingerprint"]["sources"] = [e[:3] for e in old_style[0]["fingerprint"]["sources"]]
+    (a,), (b,) = _loaders(corpus, mix, 1, 1, states=states), _loaders(corpus, mix, 1, 1, states=old_style)
+    assert _steps([a], 2, [], ["a", "b"])[0]["workers"] == _steps([b], 2, [], ["a", "b"])[0]["workers"]
+
+
+def test_a_barren_mark_moves_with_its_source_only_under_the_same_modality_filter(corpus):
+    """A filtered source found to hold no document its modalities take is drawn no more; after a
+    change of its filter it must be looked at again."""
+    from omniloom.data.stream.remix import remap_states
+
+    states = _steps(_loaders(corpus, [("a", 1.0), ("b", 1.0)], 1, 1), 2, [], ["a", "b"])
+    states[0]["fingerprint"]["schedule"] = [[0, 0, ["text"]], [0, 0, []]]
+    states[0]["workers"][0]["barren"] = [0]
+    moved = build_loader(_cfg(corpus, [("c", 1.0), ("a", 1.0), ("b", 1.0)], 1), TOK, patch_dim=TOK.tubelet_dim)
+    counts = [[sh.num_samples for sh in src.shards] for src in moved.sets]
+    new = moved._fingerprint()["sources"]
+    for filt, barren in ((["text"], [1]), (["code", "text"], [])):
+        (out,) = remap_states(states, new, counts, 5, [[0, 0, []], [0, 0, filt], [0, 0, []]])
+        assert out["workers"][0]["barren"] == barren, filt
+
+
 def test_a_removed_source_drops_its_buffered_documents_counted(corpus):
     from omniloom.data.stream.remix import remap_states
 

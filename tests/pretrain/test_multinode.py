@@ -286,6 +286,41 @@ def _connect(port: int) -> socket.socket:
             time.sleep(0.05)
 
 
+def test_a_machine_0_that_resets_or_never_answers_is_one_clear_error(capsys):
+    """Machine 1 reaches something on the port that resets the connection (machine 0 gone, another
+    program) or that never answers: a RendezvousError that says so, never "joined" nor a traceback."""
+    import socket
+    import struct
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def reset_once():
+        conn, _ = srv.accept()
+        conn.recv(4096)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+        conn.close()
+
+    t = threading.Thread(target=reset_once, daemon=True)
+    t.start()
+    with pytest.raises(rendezvous.RendezvousError, match="dropped the connection before every machine joined|closed the "
+                       "connection before every machine joined"):
+        rendezvous.rendezvous(Machines(2, 1, "127.0.0.1", port), 5.0, report_every_s=0.5)
+    t.join(timeout=5)
+    # a listener that accepts and says nothing: the timeout, with what was (not) heard
+    held: list = []  # the accepted connection stays open, silent
+    silent = threading.Thread(target=lambda: held.append(srv.accept()), daemon=True)
+    silent.start()
+    t0 = time.monotonic()
+    with pytest.raises(rendezvous.RendezvousError, match="machine_rank 0 has not answered yet"):
+        rendezvous.rendezvous(Machines(2, 1, "127.0.0.1", port), 1.0, report_every_s=0.5)
+    assert time.monotonic() - t0 < 5
+    for conn, _ in held:
+        conn.close()
+    srv.close()
+    assert "joined machine_rank 0" not in capsys.readouterr().err
+
+
 def test_machine_0_says_when_main_process_ip_is_not_one_of_its_addresses(capsys):
     rendezvous._warn_if_not_local("127.0.0.1")
     assert capsys.readouterr().err == ""

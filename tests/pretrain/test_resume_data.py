@@ -77,3 +77,18 @@ def test_restart_resumes_the_model_and_schedule_and_starts_the_data_anew(two_sou
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
     after = [ref for step, (ref, _) in _pieces(run) if step > 2]
     assert after and all(ref[0] == 0 and ref[1] == 0 for ref in after)  # the new mix, from its first epoch
+
+
+def test_restart_counts_the_source_schedules_from_the_runs_step(two_sources, tmp_path, train_tiny, capsys):
+    """`restart` under a schedule: web ends at step 2, so after a restart at step 2 only books is drawn
+    (the fresh stream counted its steps from 0 and drew web again)."""
+    web, books, tok = two_sources
+    trace = ["logging.data_trace=true", "data.shuffle_buffer=1", "data.pack_buffer=1"]  # each draw trained at once
+    run = tmp_path / "run"
+    assert train_tiny(run, web, tok, *trace, "train.num_steps=2") == 0
+    scheduled = f"data.sources=[{{path: {web}, end_step: 2}}, {{path: {books}}}]"
+    assert train_tiny(run, web, tok, *trace, scheduled, "train.num_steps=5", "checkpoint.resume=auto",
+                      "checkpoint.resume_data=restart", verbosity="-v") == 0
+    assert "source schedules count from step 2" in capsys.readouterr().err
+    after = [ref for step, (ref, _) in _pieces(run) if step > 2]
+    assert after and {ref[0] for ref in after} == {1}  # books only: web's end_step has passed

@@ -111,7 +111,9 @@ def test_dataloader_workers_run_one_thread(monkeypatch):
         return iter(())
 
     monkeypatch.setattr(torch.utils.data, "DataLoader", fake_dataloader)
-    monkeypatch.setattr(stream, "_guard_worker", lambda: None)  # signal handlers belong in a worker only
+    from omniloom.data.stream import worker
+
+    monkeypatch.setattr(worker, "_guard_worker", lambda: None)  # signal handlers belong in a worker only
     loader = stream.StreamLoader([], DataConfig(num_workers=2), lambda doc, media: None, rank=0, world_size=1,
                                  pad_id=0, patch_dim=24)
     assert list(loader) == [] and len(built) == 1 and built[0]["num_workers"] == 2
