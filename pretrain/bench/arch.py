@@ -396,6 +396,7 @@ def bench_arch(out: Path, *, preset: str, overrides: list[str], arms: list[Arm],
     from .arch_report import summarize, write_reports
 
     out.mkdir(parents=True, exist_ok=True)
+    train_given = bool(train)
     if not train and corpus == "digits":
         from .arch_digits import prepare_digits_data
 
@@ -423,7 +424,7 @@ def bench_arch(out: Path, *, preset: str, overrides: list[str], arms: list[Arm],
         by_key[p.key] = p.figures
     for p in points:
         p.figures = p.figures or by_key[p.key]
-    result = summarize(points, preset=preset, budget=budget, overrides=overrides)
+    result = summarize(points, preset=preset, budget=budget, overrides=overrides, corpus="" if train_given else corpus)
     for path in write_reports(result, points, out):
         say(f"wrote {path}")
     return result

@@ -4,7 +4,8 @@ the reports: OUT/arch.md (one Markdown table), OUT/arch.json, OUT/loss_vs_flops.
 Per (arm, size), every figure is given as mean ± std over seeds (sample std; 0 for one seed),
 with min and max in the JSON. JSON layout (`format: omniloom-bench-arch/1`):
 
-    {format, preset, budget_flops, overrides, columns: [[key, header]], markdown,
+    {format, preset, corpus (demo, digits, or "" for --train shards), budget_flops, overrides,
+     columns: [[key, header]], markdown,
      arms: [{arm, size, label, seeds, same_as?, overrides, figures: {key: {mean, std, min, max, n}},
              curve: [[train FLOPs, held-out loss mean, std], ...] (over seeds, by evaluation)}]}
 
@@ -65,7 +66,7 @@ def _columns(keys: set[str]) -> list[tuple[str, str]]:
     return cols
 
 
-def summarize(points, *, preset: str, budget: float, overrides: list[str]) -> dict:
+def summarize(points, *, preset: str, budget: float, overrides: list[str], corpus: str = "") -> dict:
     groups: dict[str, list] = {}
     for p in points:
         groups.setdefault(p.label, []).append(p)
@@ -87,7 +88,7 @@ def summarize(points, *, preset: str, budget: float, overrides: list[str]) -> di
         arms.append({"arm": ps[0].arm, "size": ps[0].size, "label": label, "seeds": [p.seed for p in ps],
                      **({"same_as": ps[0].same_as.split("/")[0]} if ps[0].same_as else {}),
                      "overrides": ps[0].overrides, "figures": figures, "curve": curve})
-    result = {"format": FORMAT, "preset": preset, "budget_flops": budget, "overrides": list(overrides),
+    result = {"format": FORMAT, "preset": preset, "corpus": corpus, "budget_flops": budget, "overrides": list(overrides),
               "columns": [list(c) for c in cols], "arms": arms}
     result["markdown"] = markdown(result)
     return result
@@ -144,7 +145,9 @@ def plot(result: dict, path: Path) -> Path | None:
     ax.set_yscale("log")  # an arm that has not met captions yet (text-first before its switch) sits far above
     ax.set_xlabel("training FLOPs")
     ax.set_ylabel("held-out loss, first held-out set (nats/token)")
-    ax.set_title(f"bench arch: {result['preset']}")
+    corpus = result.get("corpus")
+    ax.set_title(f"bench arch: {corpus + ' corpus, ' if corpus else ''}preset {result['preset']}, "
+                 f"{result['budget_flops']:.3g} FLOPs per run")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
