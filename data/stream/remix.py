@@ -7,9 +7,9 @@ A saved loader state describes each source by its index i: the slots' cursors, t
 sequences (`pending`), and the buffered references (i, e, g). A source is *kept* when the new mix
 holds one of the same label (its name, else its path), sample count and shard layout (the names
 and sample counts of its shards, as a digest; a state saved before the digest matches on label
-and count); sources that are new, or whose samples or shards changed, start at their beginning; sources no longer in the mix are dropped,
-with their buffered documents (counted as skipped `source_removed`). Weights may change freely:
-they only steer the draws from now on.
+and count); sources that are new, or whose samples or shards changed, start at their beginning;
+sources no longer in the mix are dropped, with their buffered documents (counted as skipped
+`source_removed`). Weights may change freely: they only steer the draws from now on.
 
 A kept source whose index moved (i != j) needs more than a renumbering: each epoch's sample order
 is a shuffle of the source's shards seeded by (seed, index, epoch) (data/stream/cursor.py), so

@@ -7,8 +7,8 @@ front with one line naming the field, as the loader already refuses another data
 
 Layout checked (state version 2; a version-1 state is checked for its shape, then upgraded, then
 checked whole): {version, rank, fingerprint: {world_size, num_workers, sources: [[label, weight,
-num_samples, shard layout?]], schedule?: [[start_step, end_step, [modality, ...]]] per source, ...}, consumed,
-step?: [training step of the next batch, batches of that step already consumed], workers: [one per worker: None or {rng, cursors: [[epoch, pos]]
+num_samples, shard layout?]], schedule?: [[start_step, end_step, [modality, ...]]] per source,
+...}, consumed, step?: [training step of the next batch, batches of that step already consumed], workers: [one per worker: None or {rng, cursors: [[epoch, pos]]
 per source, pending?: per source [[epoch, [[lo, hi], ...]], ...], shuffle: [[source, epoch, g]],
 packer: [[[source, epoch, g], piece]], skipped: {reason: n}, token_stats: {name: n}, docs,
 batches, barren?: [source]}]}.
