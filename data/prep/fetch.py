@@ -186,8 +186,12 @@ class FetchCache:
             f.write(data)
             f.flush()  # in the kernel before the row says it is there: a kill -9 loses neither
             pack = os.path.basename(f.name)
-        self._sql("INSERT OR REPLACE INTO answers VALUES (?, ?, ?, ?, ?)",
-                  (url, json.dumps(rec, ensure_ascii=False, sort_keys=True), pack, offset, len(data) if data is not None else None))
+        row = (url, json.dumps(rec, ensure_ascii=False, sort_keys=True), pack, offset, len(data) if data is not None else None)
+        if data is not None:
+            self._sql("INSERT OR REPLACE INTO answers VALUES (?, ?, ?, ?, ?)", row)
+        else:  # a failure never replaces a body: a URL used as image and video, answered at once under two limits
+            self._sql("INSERT INTO answers VALUES (?, ?, ?, ?, ?) ON CONFLICT(url) DO UPDATE SET rec = excluded.rec, "
+                      "pack = NULL, offset = NULL, size = NULL WHERE json_extract(answers.rec, '$.ok') IS NOT 1", row)
         out = {"url": url, **rec}
         if data is not None:
             out.update(path=os.path.join(self.root, "packs", pack), offset=offset)

@@ -79,6 +79,7 @@ def _guard_worker() -> None:
     if _guard_started:
         return
     _guard_started = True
+    _quiet_handover_errors()
     parent = multiprocessing.parent_process()
     parent_pid = parent.pid if parent is not None else os.getppid()
     if not hasattr(signal, "sigtimedwait"):  # no sigtimedwait (macOS): ignore, and watch the parent only
@@ -99,6 +100,31 @@ def _guard_worker() -> None:
                 os._exit(1)  # the trainer is gone: nobody will read another batch
 
     threading.Thread(target=watch, name="omniloom-worker-guard", daemon=True).start()
+
+
+_HANDOVER_ERRORS = (BrokenPipeError, ConnectionResetError, EOFError)
+
+
+def _quiet_handover_errors() -> None:
+    """In a DataLoader worker: a tensor hand-over that the trainer broke off (it was stopped by a
+    signal, or died) fails in multiprocessing's resource-sharer thread, which reports it through
+    sys.excepthook as a traceback under the trainer's clean stop (seen in
+    test_sigterm_under_omniloom_launch_saves_and_exits_0). The receiving side, the trainer, reports
+    a hand-over that really failed; here it is one debug line. Other errors reach the old hook."""
+    import sys
+    import traceback
+
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        sharer = any(frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "resource_sharer.py"))
+                     for frame, _ in traceback.walk_tb(tb))
+        if sharer and issubclass(exc_type, _HANDOVER_ERRORS):
+            log.debug("loader worker: the trainer broke off a tensor hand-over (%s)", exc)
+            return
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
 
 
 @contextlib.contextmanager

@@ -288,6 +288,38 @@ def test_config_file_takes_a_shipped_configs_name_from_any_folder(tmp_path, monk
     assert "did you mean 'cpu_2proc'" in err and seen == [str(CPU_2PROC)] * 3 + [str(own)]
 
 
+def test_a_hand_over_the_trainer_broke_off_is_no_traceback_in_a_loader_worker(monkeypatch):
+    """multiprocessing's resource-sharer thread (a DataLoader worker's side of handing a tensor
+    over) reports its errors through sys.excepthook: a trainer stopped by SIGTERM mid hand-over
+    printed a ConnectionResetError traceback from a worker under the clean stop (CI, issue 39's
+    session). In a worker those are one debug line; other errors still reach the old hook."""
+    import sys
+
+    from omniloom.data.stream import worker
+
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda t, e, tb: printed.append(t))
+    code = compile("def serve():\n    raise ConnectionResetError(104, 'Connection reset by peer')\n",
+                   os.path.join("x", "multiprocessing", "resource_sharer.py"), "exec")
+    scope = {}
+    exec(code, scope)
+
+    def other():
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def report(fn):  # what resource_sharer._serve does with an error: sys.excepthook(*sys.exc_info())
+        try:
+            fn()
+        except ConnectionResetError:
+            sys.excepthook(*sys.exc_info())
+
+    worker._quiet_handover_errors()
+    report(scope["serve"])
+    assert printed == []
+    report(other)  # not the resource sharer
+    assert printed == [ConnectionResetError]
+
+
 def test_a_loader_worker_gone_mid_handover_is_no_traceback_once_stopping(monkeypatch):
     """Under load a DataLoader worker stopped by the same SIGTERM could die while this process's
     multiprocessing resource-sharer thread handed it a tensor: a BrokenPipe traceback printed under a

@@ -84,9 +84,14 @@ class _Dataset(torch.utils.data.Dataset):
 def _ignore_sigterm(worker_id):
     """Loader workers leave SIGTERM/SIGINT to the trainer process: torchrun, SLURM and Ctrl-C signal
     the whole process group, and a worker that dies first would fail the trainer's next batch before
-    it can save. (torch installs a dying SIGTERM handler in workers; worker_init_fn runs after it.)"""
+    it can save. (torch installs a dying SIGTERM handler in workers; worker_init_fn runs after it.)
+    And, as the stream's workers do, a tensor hand-over the stopping trainer broke off is a debug
+    line, not a traceback from the worker's resource-sharer thread."""
+    from omniloom.data.stream.worker import _quiet_handover_errors
+
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _quiet_handover_errors()
 
 
 class StandinLoader:
