@@ -288,6 +288,16 @@ def test_config_file_takes_a_shipped_configs_name_from_any_folder(tmp_path, monk
     assert "did you mean 'cpu_2proc'" in err and seen == [str(CPU_2PROC)] * 3 + [str(own)]
 
 
+def _sharer_and_other(error: str):
+    """Two functions raising `error`: one whose frame is in a file named like multiprocessing's
+    resource_sharer.py (where a broken tensor hand-over is reported), and one that is not."""
+    scope: dict = {}
+    exec(compile(f"def serve():\n    raise {error}\n", os.path.join("x", "multiprocessing", "resource_sharer.py"), "exec"),
+         scope)
+    exec(compile(f"def other():\n    raise {error}\n", "elsewhere.py", "exec"), scope)
+    return scope["serve"], scope["other"]
+
+
 def test_a_hand_over_the_trainer_broke_off_is_no_traceback_in_a_loader_worker(monkeypatch):
     """multiprocessing's resource-sharer thread (a DataLoader worker's side of handing a tensor
     over) reports its errors through sys.excepthook: a trainer stopped by SIGTERM mid hand-over
@@ -299,13 +309,7 @@ def test_a_hand_over_the_trainer_broke_off_is_no_traceback_in_a_loader_worker(mo
 
     printed = []
     monkeypatch.setattr(sys, "excepthook", lambda t, e, tb: printed.append(t))
-    code = compile("def serve():\n    raise ConnectionResetError(104, 'Connection reset by peer')\n",
-                   os.path.join("x", "multiprocessing", "resource_sharer.py"), "exec")
-    scope = {}
-    exec(code, scope)
-
-    def other():
-        raise ConnectionResetError(104, "Connection reset by peer")
+    serve, other = _sharer_and_other("ConnectionResetError(104, 'Connection reset by peer')")
 
     def report(fn):  # what resource_sharer._serve does with an error: sys.excepthook(*sys.exc_info())
         try:
@@ -314,7 +318,7 @@ def test_a_hand_over_the_trainer_broke_off_is_no_traceback_in_a_loader_worker(mo
             sys.excepthook(*sys.exc_info())
 
     worker._quiet_handover_errors()
-    report(scope["serve"])
+    report(serve)
     assert printed == []
     report(other)  # not the resource sharer
     assert printed == [ConnectionResetError]
@@ -332,13 +336,7 @@ def test_a_loader_worker_gone_mid_handover_is_no_traceback_once_stopping(monkeyp
 
     printed = []
     monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_type))
-    code = compile("def serve():\n    raise BrokenPipeError(32, 'Broken pipe')\n",
-                   os.path.join("x", "multiprocessing", "resource_sharer.py"), "exec")
-    scope = {}
-    exec(code, scope)
-
-    def other():
-        raise BrokenPipeError(32, "Broken pipe")
+    serve, other = _sharer_and_other("BrokenPipeError(32, 'Broken pipe')")
 
     def thread_error(fn):  # what threading.excepthook gets when a thread ends with fn's error
         try:
@@ -349,10 +347,10 @@ def test_a_loader_worker_gone_mid_handover_is_no_traceback_once_stopping(monkeyp
     stop = GracefulShutdown(repeat_stops_hard=False)
     monkeypatch.setattr(signal, "signal", lambda sig, handler: None)
     stop.install()
-    thread_error(scope["serve"])  # no stop requested yet: a real error
+    thread_error(serve)  # no stop requested yet: a real error
     assert printed == [BrokenPipeError]
     stop.requested = True
-    thread_error(scope["serve"])
+    thread_error(serve)
     assert printed == [BrokenPipeError]
     thread_error(other)  # not the resource sharer
     assert printed == [BrokenPipeError, BrokenPipeError]
