@@ -61,6 +61,7 @@ _NSCALAR = len(MEAN_KEYS) + len(SUM_KEYS)
 _STOP = len(MEAN_KEYS) + SUM_KEYS.index("stop")
 _TOKENS = len(MEAN_KEYS) + SUM_KEYS.index("tokens")
 _VISUAL_FLOPS = len(MEAN_KEYS) + SUM_KEYS.index("visual_flops")
+_WINDOW_KEYS = tuple(k for k in MEAN_KEYS if k != "loss")  # what a logging window sums (its loss is per modality)
 
 
 @dataclasses.dataclass
@@ -237,7 +238,7 @@ class Trainer:
                                progress_seconds=cfg.logging.progress_seconds)
         self.shutdown.install()
         losses: list[float] = []
-        window = Window([k for k in MEAN_KEYS if k != "loss"])
+        window = Window(_WINDOW_KEYS)
         stopped_by = "done"
         try:
             if cfg.train.eval_every > 0 and self.step == 0:
@@ -266,7 +267,7 @@ class Trainer:
                             log.warning("step %d: %s spike, z-score %.1f (window %d)", self.step, name, z, det.window)
                 if self.step % cfg.logging.every == 0 or self.step == cfg.train.num_steps:
                     record.update(self._window_metrics(window))
-                    window = Window([k for k in MEAN_KEYS if k != "loss"])
+                    window = Window(_WINDOW_KEYS)
                 logger.log(record, self.step)
                 logger.progress(self.step, {"loss": stats["loss"], "lr": record["lr"]}, tokens_seen=self.tokens_seen)
 
